@@ -1,0 +1,98 @@
+# qlm developer entry points. Everything runs from .venv/ and private servers under .qlm/.
+#   make test        whole suite against a real RabbitMQ, SQLite and PostgreSQL
+#   make demo        private broker + coordinator + 2 simulated agents + a trace replay
+#   make lint        ruff check + ruff format --check + mypy
+# Set QLM_AMQP_URL / QLM_POSTGRES_URL to use existing servers instead of the private ones.
+
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+PYTEST_ARGS ?=
+DEMO_ARGS ?=
+
+.PHONY: help venv test demo lint format broker-up broker-down postgres-up postgres-down clean distclean
+
+help:
+	@echo "make venv | test | demo | lint | format | broker-up | broker-down |"
+	@echo "     postgres-up | postgres-down | clean | distclean"
+	@echo "PYTEST_ARGS='-k topology' make test;  DEMO_ARGS='--duration 60' make demo"
+
+venv: $(STAMP)
+
+# Re-installs only when pyproject.toml changed. Debian's python3 lacks ensurepip unless
+# python3-venv is installed: install it when we are root, as CI is.
+$(STAMP): pyproject.toml
+	@if [ ! -x $(BIN)/pip ]; then \
+	  rm -rf $(VENV); \
+	  if ! $(PYTHON) -m venv $(VENV) 2>/dev/null; then \
+	    rm -rf $(VENV); \
+	    if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	      echo "python venv support missing; installing python3-venv with apt-get" >&2; \
+	      DEBIAN_FRONTEND=noninteractive apt-get update -qq </dev/null >&2 && \
+	      DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-venv </dev/null >&2; \
+	    fi; \
+	    $(PYTHON) -m venv $(VENV); \
+	  fi; \
+	fi
+	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[dev]'
+	@touch $(STAMP)
+
+# Starts the private broker and database unless they run already (or external URLs are set),
+# runs pytest, then stops what it started - also on Ctrl-C - and exits with pytest's status.
+# The session fixtures reuse the running servers (scripts' `up` is idempotent).
+test: venv
+	@started=(); \
+	cleanup() { \
+	  for s in "$${started[@]}"; do scripts/$$s-local.sh down || true; done; \
+	}; \
+	trap 'cleanup; exit 130' INT TERM; \
+	if [ -z "$${QLM_POSTGRES_URL:-}" ] && ! scripts/postgres-local.sh status 2>/dev/null; then \
+	  started+=(postgres); scripts/postgres-local.sh up >/dev/null || { cleanup; exit 1; }; \
+	fi; \
+	if [ -z "$${QLM_AMQP_URL:-}" ] && ! scripts/rabbitmq-local.sh status 2>/dev/null; then \
+	  started+=(rabbitmq); scripts/rabbitmq-local.sh up >/dev/null || { cleanup; exit 1; }; \
+	fi; \
+	rc=0; $(BIN)/pytest $(PYTEST_ARGS) </dev/null || rc=$$?; \
+	cleanup; \
+	exit $$rc
+
+demo: venv
+	$(BIN)/qlm demo $(DEMO_ARGS)
+
+lint: venv
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+	@if command -v shellcheck >/dev/null; then \
+	  shellcheck scripts/rabbitmq-local.sh scripts/postgres-local.sh .ci/run; \
+	else bash -n scripts/rabbitmq-local.sh scripts/postgres-local.sh .ci/run; fi
+
+format: venv
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
+
+broker-up:
+	@scripts/rabbitmq-local.sh up
+
+broker-down:
+	@scripts/rabbitmq-local.sh down
+
+postgres-up:
+	@scripts/postgres-local.sh up
+
+postgres-down:
+	@scripts/postgres-local.sh down
+
+# Stops the private servers and deletes their state, caches and build outputs (keeps .venv).
+clean:
+	scripts/rabbitmq-local.sh clean
+	scripts/postgres-local.sh clean
+	rm -rf .qlm .pytest_cache .mypy_cache .ruff_cache .hypothesis build dist *.egg-info
+	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -prune -exec rm -rf {} +
+
+distclean: clean
+	rm -rf $(VENV)

@@ -1,0 +1,1 @@
+"""The per-host agent and its engine backends (sim, vllm)."""

@@ -1,0 +1,93 @@
+"""The engine backend interface: what an agent needs from an inference engine.
+
+Two implementations: ``agents.sim`` (a real-time continuous-batching emulator driven by
+:mod:`qlm.engine_model`) and ``agents.vllm`` (an in-process vLLM ``AsyncLLM``). The agent only
+talks to this interface, so everything above it is tested on the sim backend.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+
+@dataclass
+class EngineRequest:
+    request_id: str
+    model: str
+    prompt_token_ids: list[int] | None  # exact prompt when the producer sent token ids
+    prompt_tokens: int  # prompt length (estimated when only text was sent)
+    prompt_text: str | None
+    max_tokens: int
+    temperature: float = 1.0
+    seed: int | None = None
+    ignore_eos: bool = False
+    priority: int = 0
+
+
+@dataclass
+class EngineOutput:
+    request_id: str
+    output_token_ids: list[int]
+    output_text: str
+    finish_reason: str  # "length" | "stop" | "abort"
+    prompt_tokens: int
+    started_at: float  # wall clock, unix s: the engine accepted the request
+    first_token_at: float | None
+    finished_at: float
+    preemptions: int = 0
+    error: str | None = None  # set when the engine failed this request
+
+
+@dataclass
+class EngineStats:
+    active_model: str | None
+    running: int
+    waiting: int
+    kv_used_tokens: int
+    kv_capacity_tokens: int
+    tokens_per_s: float
+    in_flight: list[str] = field(default_factory=list)
+
+
+OutputCallback = Callable[[EngineOutput], Awaitable[None]]
+
+
+class EngineBackend(ABC):
+    """One engine instance (one GPU or TP group) serving one or more models."""
+
+    @property
+    @abstractmethod
+    def models(self) -> list[str]: ...
+
+    @property
+    @abstractmethod
+    def kv_capacity_tokens(self) -> int: ...
+
+    @property
+    @abstractmethod
+    def max_batch_size(self) -> int: ...
+
+    @abstractmethod
+    async def start(self, on_output: OutputCallback) -> None:
+        """Start the engine; every finished (or failed) request is reported to ``on_output``."""
+
+    @abstractmethod
+    async def stop(self) -> None: ...
+
+    @abstractmethod
+    def submit(self, request: EngineRequest) -> None:
+        """Queue a request on the engine (non-blocking)."""
+
+    @abstractmethod
+    async def abort(self, request_id: str) -> list[int]:
+        """Stop a request; return the token ids it generated so far."""
+
+    @abstractmethod
+    def stats(self) -> EngineStats: ...
+
+    @abstractmethod
+    def wants(self) -> int:
+        """How many more requests the engine should be given now (0 when it is saturated:
+        its waiting queue is non-empty or its KV cache is nearly full)."""

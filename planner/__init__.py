@@ -1,0 +1,26 @@
+"""Ordering policies: the stochastic planner and the baselines (FCFS, EDF).
+
+``create_policy(name)`` is the one factory the CLI and the simulator use.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from planner.baselines import EDFPolicy, FCFSPolicy
+from qlm.policy import QueuePolicy
+
+POLICIES: dict[str, Callable[[], QueuePolicy]] = {
+    "fcfs": FCFSPolicy,
+    "edf": EDFPolicy,
+}
+
+
+def create_policy(name: str) -> QueuePolicy:
+    try:
+        return POLICIES[name.lower()]()
+    except KeyError:
+        raise ValueError(f"unknown policy {name!r}; choose from {sorted(POLICIES)}") from None
+
+
+__all__ = ["POLICIES", "EDFPolicy", "FCFSPolicy", "create_policy"]

@@ -1,0 +1,1 @@
+"""qlm: SLO-aware durable queue manager for LLM serving."""

@@ -1,0 +1,300 @@
+"""The ``qlm`` command line. This is the one place that wires qlm's core to the ``planner``
+and ``agents`` packages (imported lazily inside the commands that need them)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from qlm.config import Settings
+
+app = typer.Typer(
+    help="qlm: SLO-aware durable queue manager for LLM serving.",
+    no_args_is_help=True,
+    add_completion=False,
+)
+admin_app = typer.Typer(
+    help="Operate a running coordinator through its admin API.", no_args_is_help=True
+)
+bench_app = typer.Typer(help="Benchmarks (results go to docs/benchmarks.md).", no_args_is_help=True)
+app.add_typer(admin_app, name="admin")
+app.add_typer(bench_app, name="bench")
+
+
+def _settings() -> Settings:
+    return Settings()
+
+
+def _setup_logging(s: Settings, component: str) -> None:
+    from qlm.logging import configure_logging
+
+    configure_logging(s.log_level, s.log_format, component)
+
+
+async def _wait_for_signal() -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+
+
+@app.command()
+def coordinator(
+    policy: Annotated[str | None, typer.Option(help="fcfs | edf (default: QLM_POLICY)")] = None,
+    shards: Annotated[int | None, typer.Option(help="global queue shards (QLM_SHARDS)")] = None,
+    admin_port: Annotated[int | None, typer.Option(help="admin API port (QLM_ADMIN_PORT)")] = None,
+    port_file: Annotated[Path | None, typer.Option(help="write the bound admin port here")] = None,
+) -> None:
+    """Run the coordinator: consume the global queue, plan, dispatch, reply; serve the admin API."""
+    s = _settings()
+    _setup_logging(s, "coordinator")
+    asyncio.run(
+        _run_coordinator(
+            s,
+            policy or s.policy,
+            shards or s.shards,
+            s.admin_port if admin_port is None else admin_port,
+            port_file,
+        )
+    )
+
+
+async def _run_coordinator(
+    s: Settings, policy_name: str, shards: int, admin_port: int, port_file: Path | None
+) -> None:
+    from planner import create_policy
+    from qlm.admin import create_admin_app, serve_admin
+    from qlm.catalog import ModelCatalog
+    from qlm.coordinator.service import Coordinator
+    from qlm.store import Store
+
+    if s.admin_token is None:
+        raise typer.BadParameter("QLM_ADMIN_TOKEN must be set (the admin API requires a token)")
+    catalog = ModelCatalog.from_file(s.models_file) if s.models_file else ModelCatalog()
+    store = await Store.open(s.database_url)
+    coord = Coordinator(
+        amqp_url=s.amqp_url,
+        policy=create_policy(policy_name),
+        store=store,
+        catalog=catalog,
+        shards=shards,
+        prefetch_per_shard=s.prefetch_per_shard,
+        delivery_limit=s.delivery_limit,
+        max_body_bytes=s.max_body_bytes,
+        heartbeat_timeout_s=s.heartbeat_timeout_s,
+    )
+    await coord.start()
+    api = create_admin_app(coord, token=s.admin_token.get_secret_value(), metrics=coord.metrics)
+    server = await serve_admin(api, s.admin_host, admin_port)
+    if port_file is not None:
+        port_file.write_text(str(server.port))
+    try:
+        await _wait_for_signal()
+    finally:
+        await server.stop()
+        await coord.stop()
+        await store.close()
+
+
+@app.command()
+def agent(
+    backend: Annotated[str, typer.Option(help="engine backend: sim")] = "sim",
+    gpus: Annotated[int, typer.Option(help="GPUs (one instance each)")] = 1,
+    gpu_type: Annotated[str, typer.Option(help="A10 | A100-80GB | H100-80GB")] = "A100-80GB",
+    models: Annotated[str, typer.Option(help="comma-separated models")] = "mistral-7b",
+    time_scale: Annotated[float, typer.Option(help="sim: engine speed-up factor")] = 1.0,
+    agent_id: Annotated[str | None, typer.Option(help="stable agent id")] = None,
+    seed: Annotated[int, typer.Option(help="sim: output token seed")] = 0,
+) -> None:
+    """Run an agent that hosts one engine instance per GPU and serves what it is dispatched."""
+    s = _settings()
+    _setup_logging(s, "agent")
+    asyncio.run(
+        _run_agent(s, backend, gpus, gpu_type, models.split(","), time_scale, agent_id, seed)
+    )
+
+
+async def _run_agent(
+    s: Settings,
+    backend: str,
+    gpus: int,
+    gpu_type: str,
+    models: list[str],
+    time_scale: float,
+    agent_id: str | None,
+    seed: int,
+) -> None:
+    from agents.agent import Agent
+    from qlm.catalog import gpu
+
+    if backend != "sim":
+        raise typer.BadParameter(f"backend {backend!r} is not available (only 'sim' so far)")
+    from agents.sim import SimEngine
+
+    engines = [
+        SimEngine(gpu_type, models, time_scale=time_scale, seed=seed + i) for i in range(gpus)
+    ]
+    a = Agent(
+        s.amqp_url,
+        list(engines),
+        agent_id=agent_id,
+        engine_name=backend,
+        gpu_type=gpu_type,
+        gpu_memory_gb=gpu(gpu_type).memory_gb,
+        heartbeat_interval_s=s.heartbeat_interval_s,
+    )
+    await a.start()
+    try:
+        await _wait_for_signal()
+    finally:
+        await a.stop(graceful=True)
+
+
+@app.command()
+def submit(
+    source: Annotated[
+        str,
+        typer.Argument(
+            help="a JSONL file of requests, or a trace: 'azure:conv', 'azure:code' or a CSV path"
+        ),
+    ],
+    start: Annotated[float, typer.Option(help="trace: offset of the slice (s)")] = 0.0,
+    duration: Annotated[float, typer.Option(help="trace: slice length (s)")] = 120.0,
+    speedup: Annotated[float, typer.Option(help="replay arrivals this much faster")] = 1.0,
+    models: Annotated[str, typer.Option(help="trace: models to spread requests over")] = (
+        "mistral-7b,vicuna-13b"
+    ),
+    timeout: Annotated[float, typer.Option(help="seconds to wait for the last reply")] = 300.0,
+    json_out: Annotated[Path | None, typer.Option("--json", help="write the report here")] = None,
+    seed: Annotated[int, typer.Option()] = 0,
+) -> None:
+    """Publish requests (replaying arrival times for traces), wait for every reply, report."""
+    s = _settings()
+    _setup_logging(s, "submit")
+    from qlm.demo import DEFAULT_SLO_CLASSES, build_workload, run_replay
+
+    timed = build_workload(
+        source,
+        start=start,
+        duration=duration,
+        models=models.split(","),
+        slo_classes=DEFAULT_SLO_CLASSES,
+        seed=seed,
+    )
+    report = asyncio.run(run_replay(s.amqp_url, timed, speedup=speedup, timeout=timeout))
+    typer.echo(report.format_table())
+    if json_out:
+        json_out.write_text(json.dumps(report.to_json(), indent=2))
+
+
+@app.command()
+def demo(
+    json_out: Annotated[Path | None, typer.Option("--json", help="also write results here")] = None,
+    duration: Annotated[float, typer.Option(help="seconds of trace to replay")] = 120.0,
+    policy: Annotated[str, typer.Option(help="ordering policy")] = "edf",
+    trace_start: Annotated[float, typer.Option(help="offset into the trace (s)")] = 0.0,
+) -> None:
+    """Local broker + coordinator + two simulated A100 agents + a real Azure trace slice."""
+    from qlm.demo import run_demo
+
+    s = _settings()
+    _setup_logging(s, "demo")
+    code = asyncio.run(
+        run_demo(json_out=json_out, duration=duration, policy=policy, trace_start=trace_start)
+    )
+    raise typer.Exit(code)
+
+
+@app.command()
+def schema() -> None:
+    """Print the wire protocol's JSON Schema (the committed file is generated by this)."""
+    from qlm.types import protocol_json_schema
+
+    typer.echo(json.dumps(protocol_json_schema(), indent=2, sort_keys=True))
+
+
+# ---------------------------------------------------------------------- admin
+def _admin_call(method: str, path: str) -> Any:
+    import httpx
+
+    s = _settings()
+    base = os.environ.get("QLM_ADMIN_URL", f"http://{s.admin_host}:{s.admin_port}")
+    token = s.admin_token.get_secret_value() if s.admin_token else ""
+    r = httpx.request(method, base + path, headers={"Authorization": f"Bearer {token}"}, timeout=30)
+    if r.status_code >= 400:
+        typer.echo(f"error {r.status_code}: {r.text}", err=True)
+        raise typer.Exit(1)
+    typer.echo(json.dumps(r.json(), indent=2))
+    return r.json()
+
+
+@admin_app.command("instances")
+def admin_instances() -> None:
+    """List instances (QLM_ADMIN_URL, QLM_ADMIN_TOKEN)."""
+    _admin_call("GET", "/v1/instances")
+
+
+@admin_app.command("queues")
+def admin_queues() -> None:
+    """Show each virtual queue in order."""
+    _admin_call("GET", "/v1/queues")
+
+
+@admin_app.command("request")
+def admin_request(request_id: str) -> None:
+    """Show one request's state and history."""
+    _admin_call("GET", f"/v1/requests/{request_id}")
+
+
+@admin_app.command("replan")
+def admin_replan() -> None:
+    """Replan every queued request now."""
+    _admin_call("POST", "/v1/replan")
+
+
+@admin_app.command("drain")
+def admin_drain(instance_id: str) -> None:
+    """Stop dispatching to an instance and move its queue elsewhere."""
+    _admin_call("POST", f"/v1/instances/{instance_id}/drain")
+
+
+# ---------------------------------------------------------------------- bench
+@bench_app.command("ingest")
+def bench_ingest(
+    requests: Annotated[int, typer.Option(help="backlog size for the ingest phase")] = 20000,
+    rate: Annotated[float, typer.Option(help="arrival rate for the latency phase (req/s)")] = 300,
+    latency_requests: Annotated[int, typer.Option(help="requests in the latency phase")] = 3000,
+    shards: Annotated[int, typer.Option()] = 2,
+    json_out: Annotated[Path | None, typer.Option("--json")] = None,
+) -> None:
+    """Coordinator ingest rate (requests/s) and added dispatch latency (delivery→engine start)."""
+    from qlm.bench import run_ingest_bench
+
+    s = _settings()
+    _setup_logging(s, "bench")
+    result = asyncio.run(
+        run_ingest_bench(
+            requests=requests, rate=rate, latency_requests=latency_requests, shards=shards
+        )
+    )
+    typer.echo(json.dumps(result, indent=2))
+    if json_out:
+        json_out.write_text(json.dumps(result, indent=2))
+
+
+def main() -> None:
+    with contextlib.suppress(KeyboardInterrupt):
+        app()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

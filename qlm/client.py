@@ -1,0 +1,370 @@
+"""Python producer for the qlm wire protocol.
+
+::
+
+    async with QlmClient("amqp://guest:guest@127.0.0.1:5672/") as client:
+        reply = await client.request(RequestMessage(...), timeout=60)
+
+:meth:`QlmClient.submit` returns once the broker has confirmed the request (from then on it is
+durable in a quorum queue) and hands back a future that resolves on the one reply. The client
+keeps its own books: a second reply for a request is recorded in ``duplicates`` and never
+replaces the first, and ``outstanding()`` counts the requests still waiting. The client does
+not declare the broker topology; the coordinator does (``ensure_topology`` exists for tests).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from types import TracebackType
+from typing import Annotated, Any, Self
+
+import aio_pika
+import structlog
+from aio_pika.abc import (
+    AbstractChannel,
+    AbstractExchange,
+    AbstractIncomingMessage,
+    AbstractQueue,
+    AbstractRobustConnection,
+)
+from pydantic import Field, TypeAdapter, ValidationError
+
+from qlm.topology import INGRESS_EXCHANGE, declare_topology
+from qlm.types import CONTENT_TYPE, ErrorMessage, RequestMessage, ResultMessage
+
+log = structlog.get_logger(__name__)
+
+Reply = ResultMessage | ErrorMessage
+_reply_adapter: TypeAdapter[Reply] = TypeAdapter(
+    Annotated[ResultMessage | ErrorMessage, Field(discriminator="type")]
+)
+
+# Replies in flight to this client at once; acks are cheap, so a generous window.
+_REPLY_PREFETCH = 1000
+
+
+class MalformedReply(ValueError):
+    """A reply arrived for one of our requests but is not a valid Result/ErrorMessage."""
+
+
+class QlmClient:
+    """Publishes requests to ``qlm.ingress`` and matches replies by correlation id."""
+
+    def __init__(
+        self,
+        amqp_url: str,
+        *,
+        reply_queue: str | None = None,
+        app_id: str = "qlm-client",
+    ) -> None:
+        """``reply_queue``: a durable queue to receive replies on (it survives this client;
+        replies wait there across a restart). Default: a private exclusive, auto-delete queue
+        that lives as long as the connection."""
+        self.amqp_url = amqp_url
+        self.app_id = app_id
+        self._durable_replies = reply_queue is not None
+        # A client-chosen name (not a server-named amq.gen-*): a robust reconnect re-declares the
+        # same name, so replies for requests sent before the reconnect still find us.
+        self.reply_queue_name = reply_queue or f"qlm.reply.{uuid.uuid4().hex}"
+        self._connection: AbstractRobustConnection | None = None
+        self._channel: AbstractChannel | None = None
+        self._ingress: AbstractExchange | None = None
+        self._queue: AbstractQueue | None = None
+        self._consumer_tag: str | None = None
+        self._pending: dict[str, asyncio.Future[Reply]] = {}
+        self.reply_counts: Counter[str] = Counter()
+        #: correlation id → the second, third ... replies for it (the first resolved the future)
+        self.duplicates: dict[str, list[Reply]] = {}
+        #: replies whose correlation id this client never published
+        self.unexpected: list[AbstractIncomingMessage] = []
+        #: wall-clock receive time of each request's first reply
+        self.received_at: dict[str, float] = {}
+
+    # --- lifecycle ---------------------------------------------------------------------------
+
+    async def connect(self) -> None:
+        self._connection = await aio_pika.connect_robust(self.amqp_url)
+        # Unroutable publishes (no shard bound yet) raise instead of vanishing silently.
+        self._channel = await self._connection.channel(
+            publisher_confirms=True, on_return_raises=True
+        )
+        await self._channel.set_qos(prefetch_count=_REPLY_PREFETCH)
+        # Not declared here: the coordinator owns the topology. Publishing to an exchange that
+        # does not exist closes the channel with NOT_FOUND, which surfaces in submit().
+        self._ingress = await self._channel.get_exchange(INGRESS_EXCHANGE, ensure=False)
+        if self._durable_replies:
+            self._queue = await self._channel.declare_queue(self.reply_queue_name, durable=True)
+        else:
+            self._queue = await self._channel.declare_queue(
+                self.reply_queue_name, exclusive=True, auto_delete=True
+            )
+        self._consumer_tag = await self._queue.consume(self._on_reply, no_ack=False)
+        log.debug("client_connected", reply_queue=self.reply_queue_name)
+
+    async def close(self) -> None:
+        for fut in self._pending.values():
+            if not fut.done():
+                fut.cancel()
+        if self._connection is not None:
+            await self._connection.close()
+        self._connection = self._channel = self._ingress = self._queue = None
+
+    async def __aenter__(self) -> Self:
+        await self.connect()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    async def ensure_topology(self, shards: int, delivery_limit: int = 20) -> None:
+        """Declare the broker topology (for tests and benchmarks run without a coordinator)."""
+        assert self._connection is not None, "not connected"
+        # A channel of its own: a declaration that conflicts with existing arguments closes it.
+        channel = await self._connection.channel()
+        try:
+            await declare_topology(channel, shards, delivery_limit=delivery_limit)
+        finally:
+            await channel.close()
+
+    # --- publishing --------------------------------------------------------------------------
+
+    async def submit(
+        self, request: RequestMessage, *, submitted_at: float | None = None
+    ) -> asyncio.Future[Reply]:
+        """Publish ``request``; return once the broker confirmed it, with a future for the reply.
+
+        ``submitted_at`` (unix seconds) is written into the request: its SLO deadlines then count
+        from that moment instead of from the coordinator's receipt.
+        """
+        if submitted_at is not None:
+            request = request.model_copy(update={"submitted_at": submitted_at})
+        body = request.model_dump_json(exclude_none=True).encode()
+        return await self._publish(
+            body,
+            routing_key=request.request_id,
+            correlation_id=request.request_id,
+            content_type=CONTENT_TYPE,
+            headers=None,
+        )
+
+    async def request(self, request: RequestMessage, timeout: float) -> Reply:  # noqa: ASYNC109
+        """Submit and wait for the reply; raises TimeoutError (the request stays outstanding)."""
+        fut = await self.submit(request)
+        # shield: a timeout must not cancel the future, or a late reply would be lost.
+        return await asyncio.wait_for(asyncio.shield(fut), timeout)
+
+    async def publish_raw(
+        self,
+        body: bytes,
+        *,
+        content_type: str | None = CONTENT_TYPE,
+        correlation_id: str | None = None,
+        headers: dict[str, Any] | None = None,
+    ) -> asyncio.Future[Reply]:
+        """Publish arbitrary bytes (hostile-input tests). The reply is matched by the
+        correlation id (a fresh one when not given), since the body may hold no request id."""
+        correlation_id = correlation_id or f"raw-{uuid.uuid4().hex}"
+        return await self._publish(
+            body,
+            routing_key=correlation_id,
+            correlation_id=correlation_id,
+            content_type=content_type,
+            headers=headers,
+        )
+
+    async def _publish(
+        self,
+        body: bytes,
+        *,
+        routing_key: str,
+        correlation_id: str,
+        content_type: str | None,
+        headers: dict[str, Any] | None,
+    ) -> asyncio.Future[Reply]:
+        if self._ingress is None:
+            raise RuntimeError("QlmClient is not connected; use `async with QlmClient(url)`")
+        if correlation_id in self._pending:
+            raise ValueError(f"request id {correlation_id!r} was already submitted by this client")
+        fut: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
+        # Registered before publishing: the reply can beat the confirm back to us.
+        self._pending[correlation_id] = fut
+        message = aio_pika.Message(
+            body,
+            content_type=content_type,
+            content_encoding="utf-8" if content_type == CONTENT_TYPE else None,
+            delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+            message_id=correlation_id,
+            correlation_id=correlation_id,
+            reply_to=self.reply_queue_name,
+            timestamp=datetime.now(tz=UTC),
+            app_id=self.app_id,
+            headers=headers,
+        )
+        try:
+            await self._ingress.publish(message, routing_key=routing_key)
+        except BaseException:
+            # Not confirmed: the caller decides whether to retry (which may then duplicate).
+            del self._pending[correlation_id]
+            fut.cancel()
+            raise
+        return fut
+
+    # --- replies -----------------------------------------------------------------------------
+
+    async def _on_reply(self, message: AbstractIncomingMessage) -> None:
+        try:
+            self._record(message)
+        finally:
+            # Recorded in memory either way; a reply we cannot use must not come back forever.
+            await message.ack()
+
+    def _record(self, message: AbstractIncomingMessage) -> None:
+        try:
+            reply: Reply | None = _reply_adapter.validate_json(message.body)
+        except ValidationError as e:
+            reply, error = None, e
+        cid = message.correlation_id or (reply.request_id if reply is not None else None)
+        if cid is None or cid not in self._pending:
+            log.warning("reply_unexpected", correlation_id=cid)
+            self.unexpected.append(message)
+            return
+        self.reply_counts[cid] += 1
+        fut = self._pending[cid]
+        if self.reply_counts[cid] > 1:
+            log.warning("reply_duplicate", correlation_id=cid, n=self.reply_counts[cid])
+            if reply is not None:
+                self.duplicates.setdefault(cid, []).append(reply)
+            return
+        self.received_at[cid] = time.time()
+        if fut.done():  # cancelled by close()
+            return
+        if reply is None:
+            fut.set_exception(MalformedReply(f"reply for {cid!r} is not valid: {error}"))
+        else:
+            fut.set_result(reply)
+
+    # --- bookkeeping -------------------------------------------------------------------------
+
+    def outstanding(self) -> int:
+        """Requests published (and confirmed) that have had no reply yet."""
+        return sum(1 for cid in self._pending if self.reply_counts[cid] == 0)
+
+    def outstanding_ids(self) -> set[str]:
+        return {cid for cid in self._pending if self.reply_counts[cid] == 0}
+
+    def duplicate_count(self) -> int:
+        return sum(len(v) for v in self.duplicates.values())
+
+
+# --- trace replay ----------------------------------------------------------------------------
+
+
+@dataclass
+class ReplayResult:
+    """What a replay sent and got back; ``results`` pairs each request with its reply (None
+    when lost: no reply before the timeout, or the publish was never confirmed)."""
+
+    sent: int
+    replies: int
+    errors: int
+    duplicates: int
+    lost: int
+    publish_failures: int
+    started_at: float  # wall clock of the first scheduled arrival
+    finished_at: float  # wall clock when the last reply came (or the wait ended)
+    max_send_lag_s: float  # how far publishing fell behind the trace schedule
+    results: list[tuple[RequestMessage, Reply | None]] = field(default_factory=list)
+    # wall clock at which each request was published, by request id
+    sent_at: dict[str, float] = field(default_factory=dict)
+
+
+async def replay(
+    client: QlmClient,
+    timed_requests: Sequence[tuple[float, RequestMessage]],
+    *,
+    speedup: float = 1.0,
+    timeout: float = 300.0,  # noqa: ASYNC109 - measured from the last publish, not the call
+) -> ReplayResult:
+    """Publish each request at its arrival time (seconds from the start, divided by
+    ``speedup``), stamping ``submitted_at``; then wait up to ``timeout`` s after the last
+    publish for all replies."""
+    if speedup <= 0:
+        raise ValueError("speedup must be positive")
+    loop = asyncio.get_running_loop()
+    order = sorted(range(len(timed_requests)), key=lambda i: timed_requests[i][0])
+    t0_mono, t0_wall = loop.time(), time.time()
+    dup_before = {cid: len(v) for cid, v in client.duplicates.items()}
+    sent_at: dict[str, float] = {}
+    max_lag = 0.0
+
+    async def send(req: RequestMessage) -> asyncio.Future[Reply]:
+        now = time.time()
+        sent_at[req.request_id] = now
+        return await client.submit(req, submitted_at=now)
+
+    # Publishes run as tasks so confirms pipeline; one slow confirm never delays the schedule.
+    tasks: list[asyncio.Task[asyncio.Future[Reply]]] = []
+    for i in order:
+        arrival, req = timed_requests[i]
+        due = t0_mono + arrival / speedup
+        delay = due - loop.time()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        max_lag = max(max_lag, loop.time() - due)
+        tasks.append(asyncio.create_task(send(req)))
+    published = await asyncio.gather(*tasks, return_exceptions=True)
+
+    futures: dict[int, asyncio.Future[Reply]] = {}
+    failures = 0
+    for i, outcome in zip(order, published, strict=True):
+        if isinstance(outcome, BaseException):
+            failures += 1
+            rid = timed_requests[i][1].request_id
+            log.warning("replay_publish_failed", request_id=rid, error=repr(outcome))
+        else:
+            futures[i] = outcome
+    if futures:
+        await asyncio.wait(list(futures.values()), timeout=timeout)
+
+    results: list[tuple[RequestMessage, Reply | None]] = []
+    replies = errors = 0
+    for i, (_, req) in enumerate(timed_requests):
+        reply: Reply | None = None
+        fut = futures.get(i)
+        if fut is not None and fut.done() and not fut.cancelled():
+            replies += 1
+            if fut.exception() is not None:  # a MalformedReply: it came, but is unusable
+                errors += 1
+            else:
+                reply = fut.result()
+                errors += isinstance(reply, ErrorMessage)
+        results.append((req, reply))
+    ids = {req.request_id for _, req in timed_requests}
+    duplicates = sum(
+        len(v) - dup_before.get(cid, 0) for cid, v in client.duplicates.items() if cid in ids
+    )
+    received = [client.received_at[r] for r in ids if r in client.received_at]
+    return ReplayResult(
+        sent=len(futures),
+        replies=replies,
+        errors=errors,
+        duplicates=duplicates,
+        lost=len(futures) - replies,
+        publish_failures=failures,
+        started_at=t0_wall,
+        finished_at=max(received, default=time.time()),
+        max_send_lag_s=max_lag,
+        results=results,
+        sent_at=sent_at,
+    )

@@ -1,0 +1,117 @@
+"""Control messages between the coordinator and the agents (JSON over ``qlm.control``).
+
+Agents → coordinator (routing key ``coordinator``): :class:`Heartbeat` (also registers the
+agent's instances, so a restarted coordinator learns the fleet from the next beat),
+:class:`Pull` (credit: "send me up to N more requests for this instance"), :class:`Completion`,
+:class:`Failure`, :class:`Goodbye`.
+
+Coordinator → agent (routing key ``agent.<agent_id>``): :class:`Dispatch`.
+
+``dispatch_id`` names one attempt at a request. The coordinator only accepts a completion whose
+dispatch_id is the request's current one and whose request is not yet answered; that is how a
+late result from an agent declared dead is kept from producing a second reply.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+
+from qlm.types import RequestMessage
+
+
+class _Msg(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class InstanceInfo(_Msg):
+    """What an instance is: one engine on one GPU (or one TP group)."""
+
+    instance_id: str
+    agent_id: str
+    engine: str  # "sim" | "vllm"
+    gpu_type: str
+    gpu_memory_gb: float
+    models: list[str]
+    kv_capacity_tokens: int
+    max_batch_size: int
+
+
+class InstanceStatus(_Msg):
+    info: InstanceInfo
+    active_model: str | None = None
+    running: int = 0
+    waiting: int = 0
+    kv_used_tokens: int = 0
+    tokens_per_s: float = 0.0
+    # request ids the engine holds now: lets a new coordinator rebuild what is in flight
+    in_flight: list[str] = Field(default_factory=list)
+    # credit the agent granted and has not seen used: a coordinator that (re)registers the
+    # instance starts from it, so no credit is stranded with a coordinator that died
+    credit_outstanding: int = Field(default=0, ge=0)
+
+
+class Heartbeat(_Msg):
+    type: Literal["heartbeat"] = "heartbeat"
+    agent_id: str
+    sent_at: float
+    instances: list[InstanceStatus]
+
+
+class Pull(_Msg):
+    type: Literal["pull"] = "pull"
+    agent_id: str
+    instance_id: str
+    credit: int = Field(ge=1, description="additional requests the instance can take now")
+
+
+class Dispatch(_Msg):
+    type: Literal["dispatch"] = "dispatch"
+    dispatch_id: str
+    instance_id: str
+    attempt: int
+    request: RequestMessage
+    submitted_at: float
+    queued_at: float
+    dispatched_at: float
+
+
+class Completion(_Msg):
+    type: Literal["completion"] = "completion"
+    agent_id: str
+    instance_id: str
+    dispatch_id: str
+    request_id: str
+    output_token_ids: list[int]
+    output_text: str
+    finish_reason: Literal["length", "stop", "abort"]
+    prompt_tokens: int
+    started_at: float
+    first_token_at: float | None
+    finished_at: float
+    preemptions: int = 0
+
+
+class Failure(_Msg):
+    """The engine could not run a request (it will not succeed elsewhere either)."""
+
+    type: Literal["failure"] = "failure"
+    agent_id: str
+    instance_id: str
+    dispatch_id: str
+    request_id: str
+    message: str
+
+
+class Goodbye(_Msg):
+    """Graceful agent shutdown: requeue whatever the coordinator had sent it and not heard back."""
+
+    type: Literal["goodbye"] = "goodbye"
+    agent_id: str
+
+
+ToCoordinator = Annotated[
+    Heartbeat | Pull | Completion | Failure | Goodbye, Field(discriminator="type")
+]
+to_coordinator_adapter: TypeAdapter[ToCoordinator] = TypeAdapter(ToCoordinator)

@@ -1,0 +1,410 @@
+"""CoordinatorCore: the coordinator's state machine, free of I/O.
+
+It owns the tracked requests, the instances and their virtual queues, and the policy. The
+service layer (:mod:`qlm.coordinator.service`) feeds it broker events and carries out what it
+decides (dispatch, reply, ack). Keeping the rules here means they are unit-tested without a
+broker, the same way vLLM tests its scheduler against a fake KV cache.
+
+Exactly-once replies rest on three rules enforced here:
+
+1. a request is answered at most once: the first valid completion moves it to ANSWERING and
+   every later completion for it (a stale dispatch, an agent declared dead) is ignored;
+2. a request leaves tracking only after the service confirmed the reply and acked the delivery;
+3. a redelivery of a tracked request only swaps the delivery handle (the old one died with its
+   channel), it never creates a second entry.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+import structlog
+
+from qlm.control import Completion, Heartbeat, InstanceInfo, InstanceStatus
+from qlm.policy import Plan, PlanInstance, PlanRequest, QueuePolicy
+from qlm.types import RequestMessage
+from qlm.virtual_queue import VirtualQueue
+
+log = structlog.get_logger(__name__)
+
+
+class TrackState(StrEnum):
+    QUEUED = "queued"  # in a virtual queue, or unassigned
+    DISPATCHED = "dispatched"  # handed to an instance, no result yet
+    ANSWERING = "answering"  # a result is being published; nothing else may happen to it
+    DONE = "done"
+
+
+@dataclass
+class TrackedRequest:
+    request: RequestMessage
+    delivery: Any  # the broker's handle (unacked delivery); opaque here
+    reply_to: str | None
+    correlation_id: str | None
+    submitted_at: float
+    queued_at: float
+    seq: int
+    plan_view: PlanRequest
+    state: TrackState = TrackState.QUEUED
+    instance_id: str | None = None  # queue it waits in, or instance it runs on
+    dispatch_id: str | None = None
+    dispatched_at: float | None = None
+    attempts: int = 0
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+
+@dataclass
+class InstanceState:
+    info: InstanceInfo
+    queue: VirtualQueue
+    last_seen: float
+    status: str = "alive"  # alive | draining | lost
+    credit: int = 0
+    queued_tokens: float = 0.0
+    running: dict[str, str] = field(default_factory=dict)  # request_id -> dispatch_id
+    last_status: InstanceStatus | None = None
+
+    @property
+    def instance_id(self) -> str:
+        return self.info.instance_id
+
+    def plan_view(self) -> PlanInstance:
+        st = self.last_status
+        return PlanInstance(
+            instance_id=self.info.instance_id,
+            models=tuple(self.info.models),
+            gpu_type=self.info.gpu_type,
+            kv_capacity_tokens=self.info.kv_capacity_tokens,
+            max_batch_size=self.info.max_batch_size,
+            active_model=st.active_model if st else None,
+            running=len(self.running),
+            draining=self.status != "alive",
+        )
+
+
+@dataclass
+class DispatchOrder:
+    tracked: TrackedRequest
+    instance_id: str
+    agent_id: str
+    dispatch_id: str
+
+
+class CoordinatorCore:
+    def __init__(
+        self,
+        policy: QueuePolicy,
+        *,
+        heartbeat_timeout_s: float = 3.0,
+        clock: Any = time.time,
+    ) -> None:
+        self.policy = policy
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.clock = clock
+        self.requests: dict[str, TrackedRequest] = {}
+        self.instances: dict[str, InstanceState] = {}
+        self.unassigned: list[str] = []
+        # Recently answered ids: a redelivery of one of these is acked without a second reply.
+        self.answered: OrderedDict[str, None] = OrderedDict()
+        self.answered_limit = 200_000
+        self._seq = 0
+        self.last_plan: Plan | None = None
+
+    # ---------------------------------------------------------------- arrivals
+    def admit(
+        self,
+        request: RequestMessage,
+        delivery: Any,
+        *,
+        reply_to: str | None,
+        correlation_id: str | None,
+        received_at: float,
+    ) -> tuple[TrackedRequest | None, str]:
+        """Track a validated request. Returns (tracked, outcome) where outcome is "new",
+        "redelivered" (already tracked: handle swapped) or "answered" (already replied: the
+        caller acks the delivery and sends nothing)."""
+        rid = request.request_id
+        if rid in self.answered:
+            return None, "answered"
+        existing = self.requests.get(rid)
+        if existing is not None:
+            existing.delivery = delivery
+            return existing, "redelivered"
+        self._seq += 1
+        submitted = request.submitted_at or received_at
+        slo = request.slo
+        view = PlanRequest(
+            request_id=rid,
+            model=request.model,
+            prompt_tokens=request.prompt_tokens(),
+            max_tokens=request.max_tokens,
+            arrival_time=submitted,
+            deadline=submitted + slo.e2e_ms / 1000 if slo.e2e_ms else None,
+            ttft_deadline=submitted + slo.ttft_ms / 1000 if slo.ttft_ms else None,
+            priority=request.priority,
+            slo_class=slo.slo_class,
+            seq=self._seq,
+        )
+        tracked = TrackedRequest(
+            request=request,
+            delivery=delivery,
+            reply_to=reply_to,
+            correlation_id=correlation_id,
+            submitted_at=submitted,
+            queued_at=received_at,
+            seq=self._seq,
+            plan_view=view,
+        )
+        self.requests[rid] = tracked
+        self._place(tracked, received_at)
+        return tracked, "new"
+
+    def _live(self) -> list[InstanceState]:
+        return [i for i in self.instances.values() if i.status == "alive"]
+
+    def _place(self, tracked: TrackedRequest, now: float) -> None:
+        live = self._live()
+        load = {i.instance_id: i.queued_tokens for i in live}
+        target = self.policy.place(tracked.plan_view, [i.plan_view() for i in live], load, now)
+        tracked.state = TrackState.QUEUED
+        tracked.dispatch_id = None
+        if target is None:
+            tracked.instance_id = None
+            self.unassigned.append(tracked.request_id)
+            return
+        inst = self.instances[target]
+        inst.queue.insert(tracked.request_id, self.policy.sort_key(tracked.plan_view))
+        inst.queued_tokens += self.policy.work_tokens(tracked.plan_view)
+        tracked.instance_id = target
+
+    def _unqueue(self, tracked: TrackedRequest) -> None:
+        """Take a QUEUED request out of wherever it waits."""
+        if tracked.instance_id is None:
+            try:
+                self.unassigned.remove(tracked.request_id)
+            except ValueError:
+                pass
+            return
+        inst = self.instances.get(tracked.instance_id)
+        if inst is not None and inst.queue.remove(tracked.request_id):
+            inst.queued_tokens -= self.policy.work_tokens(tracked.plan_view)
+
+    # ---------------------------------------------------------------- agents
+    def on_heartbeat(self, hb: Heartbeat, now: float) -> list[str]:
+        """Register or refresh the agent's instances. Returns newly registered instance ids."""
+        new: list[str] = []
+        for status in hb.instances:
+            iid = status.info.instance_id
+            inst = self.instances.get(iid)
+            if inst is None or inst.status == "lost":
+                inst = InstanceState(
+                    info=status.info,
+                    queue=VirtualQueue(iid),
+                    last_seen=now,
+                    credit=status.credit_outstanding,
+                )
+                self.instances[iid] = inst
+                new.append(iid)
+                log.info("instance_registered", instance_id=iid, agent_id=hb.agent_id)
+            inst.info = status.info
+            inst.last_seen = now
+            inst.last_status = status
+        if new:
+            self._place_unassigned(now)
+        return new
+
+    def _place_unassigned(self, now: float) -> None:
+        waiting, self.unassigned = self.unassigned, []
+        for rid in waiting:
+            tracked = self.requests.get(rid)
+            if tracked is not None and tracked.state == TrackState.QUEUED:
+                self._place(tracked, now)
+
+    def on_pull(self, instance_id: str, credit: int) -> bool:
+        inst = self.instances.get(instance_id)
+        if inst is None or inst.status == "lost":
+            return False
+        inst.credit += credit
+        return True
+
+    def next_dispatches(self, now: float) -> list[DispatchOrder]:
+        """Hand queued requests to every instance that has credit, in virtual-queue order."""
+        orders: list[DispatchOrder] = []
+        for inst in self.instances.values():
+            if inst.status != "alive":
+                continue
+            while inst.credit > 0 and len(inst.queue):
+                rid = inst.queue.pop()
+                tracked = self.requests[rid]
+                inst.queued_tokens -= self.policy.work_tokens(tracked.plan_view)
+                inst.credit -= 1
+                tracked.state = TrackState.DISPATCHED
+                tracked.instance_id = inst.instance_id
+                tracked.dispatch_id = uuid.uuid4().hex
+                tracked.dispatched_at = now
+                tracked.attempts += 1
+                inst.running[rid] = tracked.dispatch_id
+                orders.append(
+                    DispatchOrder(
+                        tracked, inst.instance_id, inst.info.agent_id, tracked.dispatch_id
+                    )
+                )
+        return orders
+
+    def accept_result(self, request_id: str, dispatch_id: str) -> TrackedRequest | None:
+        """The gate for exactly-once replies. Returns the request if this result should be
+        answered (and moves it to ANSWERING), None if it must be ignored."""
+        tracked = self.requests.get(request_id)
+        if tracked is None or tracked.state in (TrackState.ANSWERING, TrackState.DONE):
+            return None
+        # A result from an older dispatch (e.g. an agent we declared dead that was only slow)
+        # is still a correct result: take it, and forget the newer attempt.
+        if tracked.state == TrackState.QUEUED:
+            self._unqueue(tracked)
+        self._forget_running(tracked)
+        if dispatch_id != tracked.dispatch_id:
+            log.info("late_result_accepted", request_id=request_id, dispatch_id=dispatch_id)
+        tracked.state = TrackState.ANSWERING
+        return tracked
+
+    def accept_completion(self, c: Completion) -> TrackedRequest | None:
+        tracked = self.accept_result(c.request_id, c.dispatch_id)
+        if tracked is not None:
+            tracked.instance_id = c.instance_id
+        return tracked
+
+    def _forget_running(self, tracked: TrackedRequest) -> None:
+        for inst in self.instances.values():
+            inst.running.pop(tracked.request_id, None)
+
+    def finish(self, request_id: str) -> None:
+        """The reply is confirmed and the delivery acked: stop tracking."""
+        tracked = self.requests.pop(request_id, None)
+        if tracked is not None:
+            tracked.state = TrackState.DONE
+        self.answered[request_id] = None
+        if len(self.answered) > self.answered_limit:
+            self.answered.popitem(last=False)
+
+    def release_answering(self, request_id: str) -> None:
+        """Publishing the reply failed: the request goes back to the queue to be tried again."""
+        tracked = self.requests.get(request_id)
+        if tracked is not None and tracked.state == TrackState.ANSWERING:
+            self._place(tracked, self.clock())
+
+    def drop(self, request_id: str) -> TrackedRequest | None:
+        """Forget a request whose delivery is gone (its channel closed before we acked);
+        the broker will redeliver it and it will be admitted afresh."""
+        tracked = self.requests.pop(request_id, None)
+        if tracked is None:
+            return None
+        if tracked.state == TrackState.QUEUED:
+            self._unqueue(tracked)
+        self._forget_running(tracked)
+        return tracked
+
+    # ---------------------------------------------------------------- failures
+    def lose_instance(self, instance_id: str, reason: str, now: float) -> list[TrackedRequest]:
+        """Declare an instance dead: its queued and in-flight requests go to other queues."""
+        inst = self.instances.get(instance_id)
+        if inst is None or inst.status == "lost":
+            return []
+        inst.status = "lost"
+        inst.credit = 0
+        moved: list[TrackedRequest] = []
+        for rid in inst.queue.clear():
+            moved.append(self.requests[rid])
+        inst.queued_tokens = 0.0
+        for rid, did in list(inst.running.items()):
+            tracked = self.requests.get(rid)
+            if tracked is not None and tracked.state == TrackState.DISPATCHED:
+                if tracked.dispatch_id == did:
+                    moved.append(tracked)
+        inst.running.clear()
+        for tracked in moved:
+            self._place(tracked, now)
+        log.warning("instance_lost", instance_id=instance_id, reason=reason, requeued=len(moved))
+        return moved
+
+    def lose_agent(self, agent_id: str, reason: str, now: float) -> list[TrackedRequest]:
+        moved: list[TrackedRequest] = []
+        for inst in list(self.instances.values()):
+            if inst.info.agent_id == agent_id:
+                moved += self.lose_instance(inst.instance_id, reason, now)
+        return moved
+
+    def check_liveness(self, now: float) -> list[tuple[str, list[TrackedRequest]]]:
+        lost = []
+        for inst in list(self.instances.values()):
+            if inst.status != "lost" and now - inst.last_seen > self.heartbeat_timeout_s:
+                lost.append(
+                    (
+                        inst.instance_id,
+                        self.lose_instance(inst.instance_id, "heartbeat_timeout", now),
+                    )
+                )
+        return lost
+
+    # ---------------------------------------------------------------- operator actions
+    def drain(self, instance_id: str, now: float) -> int:
+        inst = self.instances[instance_id]
+        if inst.status == "lost":
+            return 0
+        inst.status = "draining"
+        inst.credit = 0
+        moved = [self.requests[rid] for rid in inst.queue.clear()]
+        inst.queued_tokens = 0.0
+        for tracked in moved:
+            self._place(tracked, now)
+        log.info("instance_draining", instance_id=instance_id, moved=len(moved))
+        return len(moved)
+
+    def replan(self, now: float) -> Plan:
+        """Full replan of every queued request with the policy; virtual queues adopt it."""
+        queued = [t for t in self.requests.values() if t.state == TrackState.QUEUED]
+        live = self._live()
+        plan = self.policy.plan([t.plan_view for t in queued], [i.plan_view() for i in live], now)
+        for inst in live:
+            inst.queue.clear()
+            inst.queued_tokens = 0.0
+        self.unassigned = []
+        for iid, ids in plan.queues.items():
+            inst = self.instances[iid]
+            entries = []
+            for rid in ids:
+                tracked = self.requests[rid]
+                tracked.instance_id = iid
+                entries.append((rid, self.policy.sort_key(tracked.plan_view)))
+                inst.queued_tokens += self.policy.work_tokens(tracked.plan_view)
+            inst.queue.replace(entries)
+        for rid in plan.unassigned:
+            self.requests[rid].instance_id = None
+            self.unassigned.append(rid)
+        self.last_plan = plan
+        return plan
+
+    # ---------------------------------------------------------------- views
+    def state_counts(self) -> dict[str, int]:
+        counts = {s.value: 0 for s in TrackState if s != TrackState.DONE}
+        for t in self.requests.values():
+            counts[t.state.value] += 1
+        return counts
+
+    def queue_depths(self) -> dict[str, int]:
+        return {iid: len(i.queue) for iid, i in self.instances.items()}
+
+    def queued_requests(self, instance_id: str | None) -> Iterable[TrackedRequest]:
+        ids = self.unassigned if instance_id is None else self.instances[instance_id].queue
+        for rid in list(ids):
+            t = self.requests.get(rid)
+            if t is not None:
+                yield t

@@ -1,0 +1,606 @@
+"""The coordinator service: broker I/O around :class:`CoordinatorCore`.
+
+Consumes the global queue shards (manual acks, each delivery held unacked until its reply is
+confirmed) and the control queue; publishes dispatches to agents, replies to producers and
+dead-letter copies of invalid input; runs the liveness check; serves the admin API.
+All exception-to-nack/reject decisions live in :meth:`Coordinator._guarded` so no handler can
+take the service down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import aio_pika
+import structlog
+from aio_pika.abc import (
+    AbstractChannel,
+    AbstractIncomingMessage,
+    AbstractRobustConnection,
+)
+from pydantic import ValidationError
+
+from qlm.catalog import ModelCatalog
+from qlm.control import (
+    Completion,
+    Dispatch,
+    Failure,
+    Goodbye,
+    Heartbeat,
+    Pull,
+    to_coordinator_adapter,
+)
+from qlm.coordinator.core import CoordinatorCore, DispatchOrder, TrackedRequest, TrackState
+from qlm.coordinator.validation import InvalidRequest, parse_request
+from qlm.metrics import CoordinatorMetrics
+from qlm.policy import QueuePolicy
+from qlm.store import RequestStatus, Store
+from qlm.topology import (
+    CONTROL_EXCHANGE,
+    REASON_HEADER,
+    REASON_TEXT_HEADER,
+    Topology,
+    agent_routing_key,
+    declare_topology,
+)
+from qlm.types import (
+    CONTENT_TYPE,
+    ErrorCode,
+    ErrorMessage,
+    ResultMessage,
+    SLOOutcome,
+    Timestamps,
+    Usage,
+)
+
+log = structlog.get_logger(__name__)
+
+
+def slo_outcome(t: TrackedRequest, first_token_at: float | None, finished_at: float) -> SLOOutcome:
+    slo = t.request.slo
+    e2e_ms = (finished_at - t.submitted_at) * 1000
+    ttft_ms = (first_token_at - t.submitted_at) * 1000 if first_token_at is not None else None
+    e2e_met = None if slo.e2e_ms is None else e2e_ms <= slo.e2e_ms
+    ttft_met = None
+    if slo.ttft_ms is not None:
+        ttft_met = ttft_ms is not None and ttft_ms <= slo.ttft_ms
+    met = all(x for x in (e2e_met, ttft_met) if x is not None)
+    return SLOOutcome(met=met, e2e_met=e2e_met, ttft_met=ttft_met, e2e_ms=e2e_ms, ttft_ms=ttft_ms)
+
+
+class Coordinator:
+    def __init__(
+        self,
+        *,
+        amqp_url: str,
+        policy: QueuePolicy,
+        store: Store,
+        catalog: ModelCatalog | None = None,
+        shards: int = 2,
+        prefetch_per_shard: int = 65535,
+        delivery_limit: int = 20,
+        max_body_bytes: int = 1_048_576,
+        heartbeat_timeout_s: float = 3.0,
+        liveness_interval_s: float = 0.5,
+        metrics: CoordinatorMetrics | None = None,
+    ) -> None:
+        self.amqp_url = amqp_url
+        self.store = store
+        self.catalog = catalog or ModelCatalog()
+        self.shards = shards
+        self.prefetch = prefetch_per_shard
+        self.delivery_limit = delivery_limit
+        self.max_body_bytes = max_body_bytes
+        self.liveness_interval_s = liveness_interval_s
+        self.core = CoordinatorCore(policy, heartbeat_timeout_s=heartbeat_timeout_s)
+        self.metrics = metrics or CoordinatorMetrics()
+        self._conn: AbstractRobustConnection | None = None
+        self._pub: AbstractChannel | None = None
+        self._topology: Topology | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._liveness: asyncio.Task[None] | None = None
+        self._stopping = False
+        self.ingested = 0
+        self.received_at_first: float | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self) -> None:
+        self._conn = await aio_pika.connect_robust(
+            self.amqp_url, client_properties={"connection_name": "qlm-coordinator"}
+        )
+        self._pub = await self._conn.channel(publisher_confirms=True, on_return_raises=True)
+        setup = await self._conn.channel()
+        self._topology = await declare_topology(setup, self.shards, self.delivery_limit)
+        ctl_ch = await self._conn.channel()
+        await ctl_ch.set_qos(prefetch_count=2000)
+        ctl_q = await ctl_ch.get_queue(self._topology.coordinator.name, ensure=False)
+        await ctl_q.consume(self._on_control, no_ack=False)
+        # One channel per shard: prefetch is per consumer, and each holds up to 65,535 unacked.
+        for q in self._topology.shards:
+            ch = await self._conn.channel()
+            await ch.set_qos(prefetch_count=self.prefetch)
+            shard = await ch.get_queue(q.name, ensure=False)
+            await shard.consume(self._on_request, no_ack=False)
+        self._liveness = asyncio.create_task(self._liveness_loop())
+        log.info("coordinator_started", shards=self.shards, policy=self.core.policy.name)
+
+    async def stop(self) -> None:
+        self._stopping = True
+        if self._liveness:
+            self._liveness.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._liveness
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=5)
+        if self._conn:
+            await self._conn.close()
+        await self.store.flush()
+        log.info("coordinator_stopped")
+
+    def _spawn(self, coro: Awaitable[Any]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # ------------------------------------------------------------------ one place for failures
+    async def _guarded(
+        self,
+        message: AbstractIncomingMessage,
+        handler: Callable[[AbstractIncomingMessage], Awaitable[None]],
+        *,
+        requeue_on_error: bool,
+    ) -> None:
+        try:
+            await handler(message)
+        except Exception:
+            log.exception("handler_failed", message_id=message.message_id, requeue=requeue_on_error)
+            # Requeue for a global-queue message: the quorum delivery limit dead-letters a
+            # message that keeps failing. A broken control message is dropped.
+            with contextlib.suppress(Exception):
+                await message.nack(requeue=requeue_on_error)
+
+    # ------------------------------------------------------------------ ingest
+    async def _on_request(self, message: AbstractIncomingMessage) -> None:
+        await self._guarded(message, self._ingest, requeue_on_error=True)
+
+    async def _ingest(self, message: AbstractIncomingMessage) -> None:
+        now = time.time()
+        if self.received_at_first is None:
+            self.received_at_first = now
+        try:
+            req = parse_request(
+                message.body,
+                message.content_type,
+                self.catalog,
+                max_body_bytes=self.max_body_bytes,
+                message_id=message.message_id,
+            )
+        except InvalidRequest as bad:
+            await self._reject(message, bad, now)
+            return
+        tracked, outcome = self.core.admit(
+            req,
+            message,
+            reply_to=message.reply_to,
+            correlation_id=message.correlation_id,
+            received_at=now,
+        )
+        if outcome == "answered":
+            # Already replied (an ack was lost): settle the copy without a second reply.
+            await message.ack()
+            return
+        self.ingested += 1
+        if outcome == "new" and tracked is not None:
+            self.store.record_received(
+                request_id=req.request_id,
+                model=req.model,
+                slo_class=req.slo.slo_class,
+                tenant=req.tenant,
+                priority=req.priority,
+                prompt_tokens=tracked.plan_view.prompt_tokens,
+                max_tokens=req.max_tokens,
+                submitted_at=tracked.submitted_at,
+                queued_at=now,
+                deadline=tracked.plan_view.deadline,
+                ttft_deadline=tracked.plan_view.ttft_deadline,
+            )
+            self.metrics.observe_ingest_latency(time.time() - now)
+        self._pump()
+
+    async def _reject(
+        self, message: AbstractIncomingMessage, bad: InvalidRequest, now: float
+    ) -> None:
+        """Invalid input: error reply (when there is a reply_to), a dead-letter copy carrying
+        the reason, then ack: the message can never succeed, so it must not be redelivered."""
+        assert self._pub is not None and self._topology is not None
+        log.warning(
+            "request_rejected", request_id=bad.request_id, code=bad.code.value, reason=bad.message
+        )
+        if message.reply_to:
+            err = ErrorMessage(
+                request_id=bad.request_id, code=bad.code, message=bad.message, details=bad.details
+            )
+            await self._reply(message.reply_to, message.correlation_id or bad.request_id, err)
+        headers = dict(message.headers or {})
+        headers[REASON_HEADER] = bad.code.value
+        headers[REASON_TEXT_HEADER] = bad.message[:1000]
+        await self._topology.dlx.publish(
+            aio_pika.Message(
+                message.body,
+                headers=headers,
+                content_type=message.content_type,
+                correlation_id=message.correlation_id,
+                message_id=message.message_id,
+                reply_to=message.reply_to,
+                delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+            ),
+            routing_key="",
+            mandatory=False,
+        )
+        await message.ack()
+        self.store.record_rejected(bad.request_id, bad.code.value, now, {"message": bad.message})
+        self.metrics.observe_outcome("rejected")
+
+    async def _reply(
+        self, reply_to: str, correlation_id: str | None, msg: ResultMessage | ErrorMessage
+    ) -> None:
+        assert self._pub is not None
+        await self._pub.default_exchange.publish(
+            aio_pika.Message(
+                msg.model_dump_json().encode(),
+                content_type=CONTENT_TYPE,
+                correlation_id=correlation_id,
+                message_id=msg.request_id,
+                type=msg.type,
+                delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+            ),
+            routing_key=reply_to,
+            mandatory=False,  # a producer that went away loses its reply, nothing else
+        )
+
+    # ------------------------------------------------------------------ dispatch
+    def _pump(self) -> None:
+        for order in self.core.next_dispatches(time.time()):
+            self._spawn(self._dispatch(order))
+
+    async def _dispatch(self, order: DispatchOrder) -> None:
+        assert self._pub is not None
+        t = order.tracked
+        msg = Dispatch(
+            dispatch_id=order.dispatch_id,
+            instance_id=order.instance_id,
+            attempt=t.attempts,
+            request=t.request,
+            submitted_at=t.submitted_at,
+            queued_at=t.queued_at,
+            dispatched_at=t.dispatched_at or time.time(),
+        )
+        try:
+            exchange = await self._pub.get_exchange(CONTROL_EXCHANGE, ensure=False)
+            await exchange.publish(
+                aio_pika.Message(msg.model_dump_json().encode(), content_type=CONTENT_TYPE),
+                routing_key=agent_routing_key(order.agent_id),
+                mandatory=True,  # returned if the agent's queue died with its connection
+            )
+        except aio_pika.exceptions.PublishError:
+            self._lost_agent(order.agent_id, "dispatch_unroutable")
+            return
+        except Exception:
+            log.exception("dispatch_failed", request_id=t.request_id, instance_id=order.instance_id)
+            if t.state == TrackState.DISPATCHED and t.dispatch_id == order.dispatch_id:
+                self.core.lose_instance(order.instance_id, "dispatch_failed", time.time())
+                self._pump()
+            return
+        self.store.record_status(
+            t.request_id,
+            RequestStatus.DISPATCHED,
+            msg.dispatched_at,
+            instance_id=order.instance_id,
+            attempts=t.attempts,
+        )
+
+    def _lost_agent(self, agent_id: str, reason: str) -> None:
+        now = time.time()
+        lost = [
+            i.instance_id
+            for i in self.core.instances.values()
+            if i.info.agent_id == agent_id and i.status != "lost"
+        ]
+        moved = self.core.lose_agent(agent_id, reason, now)
+        for iid in lost:
+            self._record_instance(iid, "lost", now)
+        for t in moved:
+            self.store.record_status(
+                t.request_id, RequestStatus.REQUEUED, now, detail={"reason": reason}
+            )
+            self.metrics.observe_requeue(reason)
+        self._pump()
+
+    # ------------------------------------------------------------------ control
+    async def _on_control(self, message: AbstractIncomingMessage) -> None:
+        await self._guarded(message, self._control, requeue_on_error=False)
+
+    async def _control(self, message: AbstractIncomingMessage) -> None:
+        try:
+            ctl = to_coordinator_adapter.validate_json(message.body)
+        except ValidationError as exc:
+            log.warning("bad_control_message", error=str(exc)[:500])
+            await message.reject(requeue=False)
+            return
+        now = time.time()
+        if isinstance(ctl, Heartbeat):
+            for iid in self.core.on_heartbeat(ctl, now):
+                self._record_instance(iid, "alive", now)
+            await message.ack()
+            self._pump()
+        elif isinstance(ctl, Pull):
+            self.core.on_pull(ctl.instance_id, ctl.credit)
+            await message.ack()
+            self._pump()
+        elif isinstance(ctl, Completion):
+            # Ack the control message only once the reply is out: a crash before then leaves
+            # the completion in the durable control queue for the next coordinator.
+            self._spawn(self._complete(ctl, message))
+        elif isinstance(ctl, Failure):
+            self._spawn(self._fail(ctl, message))
+        elif isinstance(ctl, Goodbye):
+            self._lost_agent(ctl.agent_id, "goodbye")
+            await message.ack()
+
+    async def _complete(self, c: Completion, ctl_msg: AbstractIncomingMessage) -> None:
+        t = self.core.accept_completion(c)
+        if t is None:
+            log.info("duplicate_result_ignored", request_id=c.request_id, instance_id=c.instance_id)
+            await ctl_msg.ack()
+            return
+        outcome = slo_outcome(t, c.first_token_at, c.finished_at)
+        result = ResultMessage(
+            request_id=t.request_id,
+            model=t.request.model,
+            output_text=c.output_text,
+            output_token_ids=c.output_token_ids,
+            finish_reason=c.finish_reason,
+            usage=Usage(prompt_tokens=c.prompt_tokens, completion_tokens=len(c.output_token_ids)),
+            timestamps=Timestamps(
+                submitted=t.submitted_at,
+                queued=t.queued_at,
+                started=c.started_at,
+                first_token=c.first_token_at,
+                finished=c.finished_at,
+            ),
+            slo=outcome,
+            instance_id=c.instance_id,
+            attempts=max(t.attempts, 1),
+        )
+        if not await self._answer(t, result, ctl_msg):
+            return
+        self.store.record_finished(
+            t.request_id,
+            RequestStatus.COMPLETED,
+            time.time(),
+            instance_id=c.instance_id,
+            attempts=t.attempts,
+            started_at=c.started_at,
+            first_token_at=c.first_token_at,
+            finished_at=c.finished_at,
+            output_tokens=len(c.output_token_ids),
+            slo_met=outcome.met,
+        )
+        self.metrics.observe_outcome("completed")
+        self.metrics.observe_slo(t.request.slo.slo_class or "default", outcome.met)
+        if t.dispatched_at is not None:
+            self.metrics.observe_dispatch_latency(max(0.0, c.started_at - t.dispatched_at))
+
+    async def _fail(self, f: Failure, ctl_msg: AbstractIncomingMessage) -> None:
+        t = self.core.accept_result(f.request_id, f.dispatch_id)
+        if t is None:
+            await ctl_msg.ack()
+            return
+        err = ErrorMessage(request_id=t.request_id, code=ErrorCode.ENGINE_ERROR, message=f.message)
+        if not await self._answer(t, err, ctl_msg):
+            return
+        self.store.record_finished(
+            t.request_id,
+            RequestStatus.FAILED,
+            time.time(),
+            instance_id=f.instance_id,
+            attempts=t.attempts,
+            started_at=None,
+            first_token_at=None,
+            finished_at=None,
+            output_tokens=0,
+            slo_met=False,
+            error_code=ErrorCode.ENGINE_ERROR.value,
+        )
+        self.metrics.observe_outcome("failed")
+
+    async def _answer(
+        self, t: TrackedRequest, msg: ResultMessage | ErrorMessage, ctl_msg: AbstractIncomingMessage
+    ) -> bool:
+        """Publish the one reply with a confirm, then ack the request's delivery."""
+        if t.reply_to:
+            try:
+                await self._reply(t.reply_to, t.correlation_id, msg)
+            except Exception:
+                log.exception("reply_failed", request_id=t.request_id)
+                self.core.release_answering(t.request_id)
+                self._pump()
+                with contextlib.suppress(Exception):
+                    await ctl_msg.ack()
+                return False
+        await self._ack_delivery(t)
+        self.core.finish(t.request_id)
+        with contextlib.suppress(Exception):
+            await ctl_msg.ack()
+        return True
+
+    async def _ack_delivery(self, t: TrackedRequest) -> None:
+        for _ in range(2):
+            delivery = t.delivery
+            try:
+                await delivery.ack()
+                return
+            except Exception:
+                # The channel that carried it is gone; if the broker already redelivered it,
+                # admit() swapped in the new handle: ack that one. Otherwise the redelivery
+                # will find the id in `answered` and be acked without a reply.
+                if t.delivery is delivery:
+                    return
+
+    # ------------------------------------------------------------------ liveness
+    async def _liveness_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.liveness_interval_s)
+            now = time.time()
+            for iid, moved in self.core.check_liveness(now):
+                self._record_instance(iid, "lost", now)
+                for t in moved:
+                    self.store.record_status(
+                        t.request_id,
+                        RequestStatus.REQUEUED,
+                        now,
+                        detail={"reason": "heartbeat_timeout"},
+                    )
+                    self.metrics.observe_requeue("heartbeat_timeout")
+            if self.core.instances:
+                self._pump()
+            self._refresh_gauges()
+
+    def _record_instance(self, instance_id: str, status: str, at: float) -> None:
+        info = self.core.instances[instance_id].info
+        self.store.upsert_instance(
+            instance_id=instance_id,
+            agent_id=info.agent_id,
+            engine=info.engine,
+            gpu_type=info.gpu_type,
+            gpu_memory_gb=info.gpu_memory_gb,
+            models=info.models,
+            kv_capacity_tokens=info.kv_capacity_tokens,
+            max_batch_size=info.max_batch_size,
+            status=status,
+            at=at,
+        )
+
+    def _refresh_gauges(self) -> None:
+        for iid, depth in self.core.queue_depths().items():
+            self.metrics.set_queue_depth(iid, depth)
+        self.metrics.set_state_counts(self.core.state_counts())
+        self.metrics.set_instances_alive(
+            sum(1 for i in self.core.instances.values() if i.status != "lost")
+        )
+        self.metrics.set_unacked(len(self.core.requests))
+
+    # ------------------------------------------------------------------ admin backend
+    def list_instances(self) -> list[dict[str, Any]]:
+        out = []
+        for inst in self.core.instances.values():
+            st = inst.last_status
+            out.append(
+                {
+                    "instance_id": inst.instance_id,
+                    "agent_id": inst.info.agent_id,
+                    "engine": inst.info.engine,
+                    "gpu_type": inst.info.gpu_type,
+                    "models": list(inst.info.models),
+                    "status": inst.status,
+                    "active_model": st.active_model if st else None,
+                    "running": st.running if st else 0,
+                    "waiting": st.waiting if st else 0,
+                    "queued": len(inst.queue),
+                    "kv_used_tokens": st.kv_used_tokens if st else 0,
+                    "kv_capacity_tokens": inst.info.kv_capacity_tokens,
+                    "last_seen": inst.last_seen,
+                }
+            )
+        return out
+
+    def list_queues(self, limit: int = 1000) -> list[dict[str, Any]]:
+        out = []
+        for iid in [*self.core.instances, None]:
+            entries = []
+            for pos, t in enumerate(self.core.queued_requests(iid)):
+                if pos >= limit:
+                    break
+                v = t.plan_view
+                entries.append(
+                    {
+                        "request_id": t.request_id,
+                        "model": v.model,
+                        "slo_class": v.slo_class,
+                        "deadline": v.deadline,
+                        "prompt_tokens": v.prompt_tokens,
+                        "max_tokens": v.max_tokens,
+                        "position": pos,
+                    }
+                )
+            draining = iid is not None and self.core.instances[iid].status != "alive"
+            out.append({"instance_id": iid, "draining": draining, "requests": entries})
+        return out
+
+    async def get_request(self, request_id: str) -> dict[str, Any] | None:
+        record = await self.store.get_request(request_id)
+        t = self.core.requests.get(request_id)
+        if t is None:
+            return record
+        live = {
+            "request_id": request_id,
+            "state": t.state.value,
+            "instance_id": t.instance_id,
+            "attempts": t.attempts,
+            "model": t.request.model,
+        }
+        return {**(record or {}), "live": live}
+
+    async def replan(self) -> dict[str, Any]:
+        start = time.perf_counter()
+        now = time.time()
+        plan = self.core.replan(now)
+        duration = time.perf_counter() - start
+        n = len(plan.assigned_ids()) + len(plan.unassigned)
+        self.store.record_plan(
+            plan_id=plan.plan_id,
+            policy=plan.policy,
+            created_at=now,
+            duration_s=duration,
+            n_requests=n,
+            n_instances=len(plan.queues),
+            summary={iid: len(ids) for iid, ids in plan.queues.items()},
+        )
+        self.metrics.observe_plan(duration)
+        self._pump()
+        return {
+            "plan_id": plan.plan_id,
+            "policy": plan.policy,
+            "duration_s": duration,
+            "n_requests": n,
+            "n_instances": len(plan.queues),
+        }
+
+    async def drain(self, instance_id: str) -> dict[str, Any]:
+        if instance_id not in self.core.instances:
+            raise KeyError(instance_id)
+        moved = self.core.drain(instance_id, time.time())
+        self._record_instance(instance_id, "draining", time.time())
+        self._pump()
+        return {
+            "instance_id": instance_id,
+            "moved": moved,
+            "status": self.core.instances[instance_id].status,
+        }
+
+    def health(self) -> dict[str, Any]:
+        connected = self._conn is not None and not self._conn.is_closed
+        return {
+            "status": "ok" if connected else "degraded",
+            "broker_connected": connected,
+            "store_ok": True,
+            "active": connected,
+        }
+
+    def dump_state(self) -> str:
+        return json.dumps({"counts": self.core.state_counts(), "queues": self.core.queue_depths()})

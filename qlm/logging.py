@@ -1,0 +1,38 @@
+"""structlog configuration: JSON lines (or console) on stderr, with bound context vars.
+
+Every process calls :func:`configure_logging` once; code logs through
+``structlog.get_logger(__name__).bind(request_id=..., instance_id=...)``. Prompts and tokens
+are never logged.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import structlog
+
+
+def configure_logging(level: str = "info", fmt: str = "json", component: str | None = None) -> None:
+    lvl = getattr(logging, level.upper(), logging.INFO)
+    renderer: structlog.typing.Processor = (
+        structlog.processors.JSONRenderer()
+        if fmt == "json"
+        else structlog.dev.ConsoleRenderer(colors=False)
+    )
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.processors.format_exc_info,
+            renderer,
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(lvl),
+        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        cache_logger_on_first_use=True,
+    )
+    if component:
+        structlog.contextvars.bind_contextvars(component=component)
+    # aio-pika/aiormq use stdlib logging; keep their warnings, drop their debug chatter.
+    logging.basicConfig(level=max(lvl, logging.WARNING), stream=sys.stderr)

@@ -1,0 +1,232 @@
+"""Prometheus metrics of one coordinator, exposed by the admin API at ``GET /metrics``.
+
+Each :class:`CoordinatorMetrics` owns its own ``CollectorRegistry`` (never the process-global
+one) so that several coordinators can live in one process, as they do in tests. The coordinator
+calls the ``set_*``/``observe_*`` methods on its hot path; each is a dict lookup plus one
+locked update inside ``prometheus_client``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+
+# Final fates of a request; a typo in the coordinator should fail loudly, not add a series.
+OUTCOMES: frozenset[str] = frozenset({"completed", "failed", "rejected", "dead_lettered"})
+
+# Broker delivery -> engine start spans sub-millisecond (idle cluster) to seconds (backlog).
+LATENCY_BUCKETS_S: tuple[float, ...] = (
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+)
+# The stochastic planner may take seconds on large backlogs; EDF takes microseconds.
+PLAN_BUCKETS_S: tuple[float, ...] = (
+    0.0001,
+    0.001,
+    0.005,
+    0.01,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+)
+
+# ``slo_class`` is a free-form producer label: cap its cardinality so that a misbehaving
+# producer cannot grow the registry (and every scrape) without bound.
+MAX_SLO_CLASSES = 64
+DEFAULT_SLO_CLASS = "default"
+OVERFLOW_SLO_CLASS = "other"
+MAX_REQUEUE_REASONS = 32
+OVERFLOW_REQUEUE_REASON = "other"
+
+
+class CoordinatorMetrics:
+    """The coordinator's metrics, in a private registry."""
+
+    def __init__(self, namespace: str = "qlm") -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self._queue_depth = Gauge(
+            f"{namespace}_virtual_queue_depth",
+            "Requests waiting in the instance's virtual queue",
+            ["instance"],
+            registry=r,
+        )
+        self._requests = Gauge(
+            f"{namespace}_requests_in_state",
+            "Requests currently held by the coordinator, by lifecycle state",
+            ["state"],
+            registry=r,
+        )
+        self._outcomes = Counter(
+            f"{namespace}_requests",
+            "Requests that reached a final outcome",
+            ["outcome"],
+            registry=r,
+        )
+        self._slo = Counter(
+            f"{namespace}_slo",
+            "Finished requests by SLO class and whether their SLO was met",
+            ["slo_class", "met"],
+            registry=r,
+        )
+        self._dispatch_latency = Histogram(
+            f"{namespace}_dispatch_latency_seconds",
+            "Broker delivery to engine start",
+            buckets=LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self._ingest_latency = Histogram(
+            f"{namespace}_ingest_latency_seconds",
+            "Broker delivery to placement in a virtual queue",
+            buckets=LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self._instances_alive = Gauge(
+            f"{namespace}_instances_alive",
+            "Instances with a recent heartbeat",
+            registry=r,
+        )
+        self._replans = Counter(
+            f"{namespace}_replans", "Plans computed by the queue policy", registry=r
+        )
+        self._plan_duration = Histogram(
+            f"{namespace}_plan_duration_seconds",
+            "Wall time of one planning run",
+            buckets=PLAN_BUCKETS_S,
+            registry=r,
+        )
+        self._requeued = Counter(
+            f"{namespace}_requeued",
+            "Requests put back into a virtual queue, by reason",
+            ["reason"],
+            registry=r,
+        )
+        self._unacked = Gauge(
+            f"{namespace}_unacked_deliveries",
+            "Broker deliveries held unacked by this coordinator",
+            registry=r,
+        )
+        # Label children are cached: ``labels()`` takes a lock and builds a tuple each call.
+        self._depth_children: dict[str, Gauge] = {}
+        self._state_children: dict[str, Gauge] = {}
+        self._outcome_children = {o: self._outcomes.labels(outcome=o) for o in OUTCOMES}
+        self._slo_children: dict[tuple[str, bool], Counter] = {}
+        self._slo_classes: set[str] = set()
+        self._requeue_children: dict[str, Counter] = {}
+        for outcome in OUTCOMES:  # export zeros so rate() works from the first scrape
+            self._outcome_children[outcome].inc(0)
+
+    # ---- gauges -------------------------------------------------------------------------
+
+    def set_queue_depth(self, instance_id: str, n: int) -> None:
+        child = self._depth_children.get(instance_id)
+        if child is None:
+            child = self._depth_children[instance_id] = self._queue_depth.labels(
+                instance=instance_id
+            )
+        child.set(n)
+
+    def remove_instance(self, instance_id: str) -> None:
+        """Drop a lost/removed instance's series; a no-op for an instance never seen."""
+        if self._depth_children.pop(instance_id, None) is not None:
+            self._queue_depth.remove(instance_id)
+
+    def set_state_counts(self, counts: Mapping[str, int]) -> None:
+        """Set the current count per state; a state missing from ``counts`` is set to 0."""
+        for state, stale in self._state_children.items():
+            if state not in counts:
+                stale.set(0)
+        for state, n in counts.items():
+            child = self._state_children.get(state)
+            if child is None:
+                child = self._state_children[state] = self._requests.labels(state=state)
+            child.set(n)
+
+    def set_instances_alive(self, n: int) -> None:
+        self._instances_alive.set(n)
+
+    def set_unacked(self, n: int) -> None:
+        self._unacked.set(n)
+
+    # ---- counters -----------------------------------------------------------------------
+
+    def observe_outcome(self, outcome: str) -> None:
+        child = self._outcome_children.get(outcome)
+        if child is None:
+            raise ValueError(f"unknown outcome {outcome!r}; expected one of {sorted(OUTCOMES)}")
+        child.inc()
+
+    def observe_slo(self, slo_class: str | None, met: bool) -> None:
+        label = slo_class or DEFAULT_SLO_CLASS
+        if label not in self._slo_classes and len(self._slo_classes) >= MAX_SLO_CLASSES:
+            label = OVERFLOW_SLO_CLASS
+        child = self._slo_children.get((label, met))
+        if child is None:
+            self._slo_classes.add(label)
+            child = self._slo.labels(slo_class=label, met="true" if met else "false")
+            self._slo_children[(label, met)] = child
+        child.inc()
+
+    def observe_requeue(self, reason: str) -> None:
+        child = self._requeue_children.get(reason)
+        if child is None:
+            if len(self._requeue_children) >= MAX_REQUEUE_REASONS:
+                reason = OVERFLOW_REQUEUE_REASON
+            child = self._requeue_children.get(reason)
+            if child is None:
+                child = self._requeue_children[reason] = self._requeued.labels(reason=reason)
+        child.inc()
+
+    def observe_plan(self, duration_s: float) -> None:
+        self._replans.inc()
+        self._plan_duration.observe(max(0.0, duration_s))
+
+    # ---- histograms ---------------------------------------------------------------------
+
+    def observe_dispatch_latency(self, seconds: float) -> None:
+        # Wall clocks of two hosts can disagree slightly; a negative sample would corrupt _sum.
+        self._dispatch_latency.observe(max(0.0, seconds))
+
+    def observe_ingest_latency(self, seconds: float) -> None:
+        self._ingest_latency.observe(max(0.0, seconds))
+
+    # ---- read side ----------------------------------------------------------------------
+
+    def slo_attainment(self) -> dict[str, float]:
+        """Fraction of finished requests that met their SLO, per SLO class (from the counters)."""
+        met: dict[str, float] = {}
+        total: dict[str, float] = {}
+        for family in self._slo.collect():
+            for sample in family.samples:
+                if not sample.name.endswith("_total"):
+                    continue  # skip the _created samples
+                cls = sample.labels["slo_class"]
+                total[cls] = total.get(cls, 0.0) + sample.value
+                if sample.labels["met"] == "true":
+                    met[cls] = met.get(cls, 0.0) + sample.value
+        return {cls: met.get(cls, 0.0) / n for cls, n in sorted(total.items()) if n > 0}
+
+    def render(self) -> tuple[bytes, str]:
+        """The Prometheus text exposition of this registry, and its content type."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

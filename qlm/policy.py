@@ -1,0 +1,140 @@
+"""The one policy interface shared by the live coordinator and the simulator.
+
+A policy decides, for every queued request, which instance's virtual queue it waits in and in
+what order. ``plan`` is a full replan over a snapshot; ``place`` puts one new arrival into the
+current queues without disturbing anyone else's place. Both are pure functions of their inputs
+(no broker, no clock reads), so they are tested with plain builders and a conformance suite
+(``tests/test_policy_conformance.py``) that every policy must pass.
+
+Concrete policies live in the ``planner`` package (FCFS, EDF, the stochastic planner); qlm's core
+only knows this interface.
+"""
+
+from __future__ import annotations
+
+import uuid
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """What a policy may know about a queued request."""
+
+    request_id: str
+    model: str
+    prompt_tokens: int
+    max_tokens: int
+    arrival_time: float  # wall-clock unix s the SLO clock started (submission)
+    deadline: float | None  # absolute e2e deadline, unix s
+    ttft_deadline: float | None  # absolute TTFT deadline, unix s
+    priority: int = 0
+    slo_class: str | None = None
+    seq: int = 0  # coordinator's arrival sequence number: a stable FCFS tie-breaker
+
+    @property
+    def effective_deadline(self) -> float:
+        """The tighter of the two deadlines (TTFT counts as the earliest point we must start)."""
+        ds = [d for d in (self.deadline, self.ttft_deadline) if d is not None]
+        return min(ds) if ds else float("inf")
+
+
+@dataclass(frozen=True)
+class PlanInstance:
+    """What a policy may know about an instance."""
+
+    instance_id: str
+    models: tuple[str, ...]
+    gpu_type: str
+    kv_capacity_tokens: int
+    max_batch_size: int
+    active_model: str | None = None
+    running: int = 0
+    draining: bool = False
+
+    def serves(self, model: str) -> bool:
+        return not self.draining and model in self.models
+
+
+@dataclass
+class Plan:
+    """An ordering of every queued request: one list per instance, plus what no instance serves."""
+
+    queues: dict[str, list[str]]
+    unassigned: list[str] = field(default_factory=list)
+    plan_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    policy: str = ""
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def assigned_ids(self) -> list[str]:
+        return [rid for q in self.queues.values() for rid in q]
+
+
+class QueuePolicy(ABC):
+    """Base of every ordering policy. Subclasses give an order (``sort_key``) or override
+    ``plan``/``place`` entirely (the stochastic planner does)."""
+
+    name: str = "abstract"
+
+    @abstractmethod
+    def sort_key(self, request: PlanRequest) -> tuple[Any, ...]:
+        """Order inside one virtual queue: smaller goes first."""
+
+    # -- load balancing shared by the simple policies ---------------------------------------
+    @staticmethod
+    def work_tokens(request: PlanRequest) -> int:
+        return request.prompt_tokens + request.max_tokens
+
+    def choose_instance(
+        self,
+        request: PlanRequest,
+        instances: Sequence[PlanInstance],
+        load: Mapping[str, float],
+    ) -> PlanInstance | None:
+        """Least normalised queued work among instances that serve the model; an instance
+        whose active model already matches wins ties (it needs no model switch)."""
+        eligible = [i for i in instances if i.serves(request.model)]
+        if not eligible:
+            return None
+        return min(
+            eligible,
+            key=lambda i: (
+                load.get(i.instance_id, 0.0) / max(i.kv_capacity_tokens, 1),
+                i.active_model != request.model,
+                i.instance_id,
+            ),
+        )
+
+    def plan(
+        self,
+        requests: Sequence[PlanRequest],
+        instances: Sequence[PlanInstance],
+        now: float,
+    ) -> Plan:
+        """Full replan: walk requests in policy order, each to the least-loaded eligible queue."""
+        queues: dict[str, list[str]] = {i.instance_id: [] for i in instances}
+        load: dict[str, float] = dict.fromkeys(queues, 0.0)
+        unassigned: list[str] = []
+        for req in sorted(requests, key=self.sort_key):
+            inst = self.choose_instance(req, instances, load)
+            if inst is None:
+                unassigned.append(req.request_id)
+                continue
+            queues[inst.instance_id].append(req.request_id)
+            load[inst.instance_id] += self.work_tokens(req)
+        return Plan(queues=queues, unassigned=unassigned, policy=self.name)
+
+    def place(
+        self,
+        request: PlanRequest,
+        instances: Sequence[PlanInstance],
+        load: Mapping[str, float],
+        now: float,
+    ) -> str | None:
+        """Incremental placement of one arrival: the instance whose virtual queue it joins
+        (its position there follows ``sort_key``), or None when no live instance serves it.
+        ``load`` is the queued work (tokens) per instance, maintained by the caller."""
+        inst = self.choose_instance(request, instances, load)
+        return None if inst is None else inst.instance_id

@@ -1,0 +1,36 @@
+"""The state store: a write-behind record of requests, instances and plans (SQLAlchemy async).
+
+``Store`` is what the coordinator uses; ``migrate(url)`` brings a database to the newest schema
+(``Store.open`` calls it); the ORM models define the schema that the Alembic tree in
+``migrations/`` creates.
+"""
+
+from qlm.store.migrations import migrate, migrations_dir
+from qlm.store.models import (
+    INSTANCE_STATUSES,
+    Base,
+    EngineProfile,
+    Instance,
+    Plan,
+    Request,
+    RequestEvent,
+    RequestStatus,
+)
+from qlm.store.store import Store
+from qlm.store.writer import BatchWriter, StoreStats
+
+__all__ = [
+    "INSTANCE_STATUSES",
+    "BatchWriter",
+    "Base",
+    "EngineProfile",
+    "Instance",
+    "Plan",
+    "Request",
+    "RequestEvent",
+    "RequestStatus",
+    "Store",
+    "StoreStats",
+    "migrate",
+    "migrations_dir",
+]

@@ -1,0 +1,222 @@
+"""Wire protocol v1: the request, result and error messages.
+
+These pydantic models are the single source of truth for the message schema: the JSON Schema
+file ``qlm/schemas/protocol-v1.schema.json`` is generated from them (``qlm schema``) and a test
+checks that the committed file matches. Producers in any language validate against that file;
+the coordinator and agents validate with these classes.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+PROTOCOL_VERSION = 1
+CONTENT_TYPE = "application/json"
+
+RequestId = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:@/+=-]+$")]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str
+
+
+class SamplingParams(_Strict):
+    """Sampling parameters, passed through to the engine."""
+
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=-1, ge=-1)
+    seed: int | None = None
+    stop: list[str] = Field(default_factory=list, max_length=16)
+    ignore_eos: bool = False
+
+
+class SLO(_Strict):
+    """Service-level objective. At least one of the two deadlines must be set.
+
+    Deadlines are relative to the request's submission time (``submitted_at`` when the producer
+    sets it, otherwise the moment the coordinator first receives the message).
+    """
+
+    # The model validator below, restated in JSON Schema so non-Python producers see it too.
+    model_config = ConfigDict(
+        json_schema_extra={
+            "anyOf": [
+                {"required": ["e2e_ms"], "properties": {"e2e_ms": {"type": "integer"}}},
+                {"required": ["ttft_ms"], "properties": {"ttft_ms": {"type": "integer"}}},
+            ]
+        }
+    )
+
+    e2e_ms: int | None = Field(default=None, gt=0, description="end-to-end deadline (last token)")
+    ttft_ms: int | None = Field(default=None, gt=0, description="time-to-first-token deadline")
+    slo_class: str | None = Field(
+        default=None, max_length=64, description="free-form class label used in metrics"
+    )
+
+    @model_validator(mode="after")
+    def _one_deadline(self) -> SLO:
+        if self.e2e_ms is None and self.ttft_ms is None:
+            raise ValueError("slo needs e2e_ms and/or ttft_ms")
+        return self
+
+
+class TaskInfo(_Strict):
+    """Reserved for multi-call task chains (CATO); accepted and stored, not yet interpreted."""
+
+    task_id: str = Field(min_length=1, max_length=128)
+    step: int = Field(default=0, ge=0)
+    task_slo_ms: int | None = Field(default=None, gt=0)
+    task_started_at: float | None = None
+
+
+class RequestMessage(_Strict):
+    """A generation request, as published to the ingress exchange."""
+
+    # The "exactly one prompt" validator below, restated in JSON Schema; an explicit null counts
+    # as absent, as it does for pydantic.
+    model_config = ConfigDict(
+        json_schema_extra={
+            "oneOf": [
+                {"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
+                {"required": ["messages"], "properties": {"messages": {"type": "array"}}},
+                {
+                    "required": ["prompt_token_ids"],
+                    "properties": {"prompt_token_ids": {"type": "array"}},
+                },
+            ]
+        }
+    )
+
+    version: Literal[1] = 1
+    request_id: RequestId
+    model: str = Field(min_length=1, max_length=256)
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    prompt_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(default=None, min_length=1)
+    max_tokens: int = Field(ge=1)
+    sampling: SamplingParams = Field(default_factory=SamplingParams)
+    slo: SLO
+    priority: int = Field(default=0, ge=0, le=9)
+    tenant: str | None = Field(default=None, max_length=128)
+    submitted_at: float | None = Field(
+        default=None, description="producer's wall-clock submission time (unix seconds)"
+    )
+    task: TaskInfo | None = None
+
+    @model_validator(mode="after")
+    def _one_prompt(self) -> RequestMessage:
+        given = [x for x in (self.prompt, self.messages, self.prompt_token_ids) if x is not None]
+        if len(given) != 1:
+            raise ValueError("exactly one of prompt, messages, prompt_token_ids is required")
+        return self
+
+    def prompt_tokens(self) -> int:
+        """Prompt length in tokens: exact for token ids, estimated (4 bytes/token) for text."""
+        if self.prompt_token_ids is not None:
+            return len(self.prompt_token_ids)
+        if self.prompt is not None:
+            text = self.prompt
+        else:
+            assert self.messages is not None
+            text = "\n".join(f"{m.role}: {m.content}" for m in self.messages)
+        return max(1, (len(text.encode("utf-8")) + 3) // 4)
+
+
+class Usage(_Strict):
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class Timestamps(_Strict):
+    """Wall-clock unix seconds of each step of the request's life."""
+
+    submitted: float
+    queued: float
+    started: float | None = None
+    first_token: float | None = None
+    finished: float | None = None
+
+
+class SLOOutcome(_Strict):
+    met: bool
+    e2e_met: bool | None = None
+    ttft_met: bool | None = None
+    e2e_ms: float | None = None
+    ttft_ms: float | None = None
+
+
+class ResultMessage(_Strict):
+    """The one reply a producer receives for a request that was served."""
+
+    type: Literal["result"] = "result"
+    version: Literal[1] = 1
+    request_id: str
+    model: str
+    output_text: str
+    output_token_ids: list[int]
+    finish_reason: Literal["length", "stop", "abort"]
+    usage: Usage
+    timestamps: Timestamps
+    slo: SLOOutcome
+    instance_id: str
+    attempts: int = Field(ge=1, description="dispatches it took (more than 1 after a failover)")
+
+
+class ErrorCode(StrEnum):
+    INVALID_JSON = "invalid_json"
+    INVALID_ENCODING = "invalid_encoding"
+    INVALID_CONTENT_TYPE = "invalid_content_type"
+    BODY_TOO_LARGE = "body_too_large"
+    SCHEMA_VIOLATION = "schema_violation"
+    UNKNOWN_MODEL = "unknown_model"
+    MAX_TOKENS_OUT_OF_RANGE = "max_tokens_out_of_range"
+    PROMPT_TOO_LONG = "prompt_too_long"
+    ENGINE_ERROR = "engine_error"
+    DELIVERY_LIMIT = "delivery_limit"
+    INTERNAL_ERROR = "internal_error"
+
+
+class ErrorMessage(_Strict):
+    """The one reply a producer receives for a request that cannot be served."""
+
+    type: Literal["error"] = "error"
+    version: Literal[1] = 1
+    request_id: str | None
+    code: ErrorCode
+    message: str
+    details: dict[str, Any] | None = None
+
+
+def protocol_json_schema() -> dict[str, Any]:
+    """The JSON Schema of protocol v1 (request, result and error), as committed in the repo."""
+    from pydantic.json_schema import models_json_schema
+
+    _, defs = models_json_schema(
+        [
+            (RequestMessage, "validation"),
+            (ResultMessage, "serialization"),
+            (ErrorMessage, "serialization"),
+        ],
+        title="qlm wire protocol v1",
+    )
+    defs["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+    defs["$id"] = "https://qlm.dev/schemas/protocol-v1.schema.json"
+    defs["description"] = (
+        "Generated from qlm/types.py by `qlm schema`. Publish a RequestMessage to the ingress "
+        "exchange; receive exactly one ResultMessage or ErrorMessage on reply_to."
+    )
+    defs["oneOf"] = [
+        {"$ref": "#/$defs/RequestMessage"},
+        {"$ref": "#/$defs/ResultMessage"},
+        {"$ref": "#/$defs/ErrorMessage"},
+    ]
+    return defs

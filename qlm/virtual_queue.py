@@ -1,0 +1,60 @@
+"""VirtualQueue: one instance's ordered list of request references (QLM §4).
+
+The broker holds the only copy of each request (an unacked delivery); a virtual queue holds
+ids in the order the policy chose. Inserts keep the order by the policy's sort key with
+``bisect`` over a parallel key list, so an arrival costs O(log n) comparisons.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterator
+from typing import Any
+
+
+class VirtualQueue:
+    def __init__(self, instance_id: str) -> None:
+        self.instance_id = instance_id
+        self._ids: list[str] = []
+        self._keys: list[tuple[Any, ...]] = []
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(list(self._ids))
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._ids
+
+    def insert(self, request_id: str, key: tuple[Any, ...]) -> int:
+        """Insert after every entry whose key is <= key (ties keep arrival order)."""
+        pos = bisect.bisect_right(self._keys, key)
+        self._keys.insert(pos, key)
+        self._ids.insert(pos, request_id)
+        return pos
+
+    def peek(self) -> str | None:
+        return self._ids[0] if self._ids else None
+
+    def pop(self) -> str:
+        self._keys.pop(0)
+        return self._ids.pop(0)
+
+    def remove(self, request_id: str) -> bool:
+        try:
+            pos = self._ids.index(request_id)
+        except ValueError:
+            return False
+        del self._ids[pos]
+        del self._keys[pos]
+        return True
+
+    def replace(self, ordered: list[tuple[str, tuple[Any, ...]]]) -> None:
+        """Adopt a new plan's order (keys given so later inserts stay consistent)."""
+        self._ids = [rid for rid, _ in ordered]
+        self._keys = [k for _, k in ordered]
+
+    def clear(self) -> list[str]:
+        ids, self._ids, self._keys = self._ids, [], []
+        return ids

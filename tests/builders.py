@@ -1,0 +1,75 @@
+"""Tiny builders for unit tests of the coordinator core and the policies (no broker)."""
+
+from __future__ import annotations
+
+import itertools
+
+from qlm.control import Heartbeat, InstanceInfo, InstanceStatus
+from qlm.policy import PlanInstance, PlanRequest
+from qlm.types import SLO, RequestMessage
+
+_ids = itertools.count()
+
+
+def make_request(
+    model: str = "mistral-7b",
+    *,
+    e2e_ms: int | None = 10_000,
+    ttft_ms: int | None = None,
+    prompt_len: int = 16,
+    max_tokens: int = 8,
+    submitted_at: float | None = None,
+    request_id: str | None = None,
+    slo_class: str | None = None,
+) -> RequestMessage:
+    return RequestMessage(
+        request_id=request_id or f"r{next(_ids)}",
+        model=model,
+        prompt_token_ids=list(range(prompt_len)),
+        max_tokens=max_tokens,
+        slo=SLO(e2e_ms=e2e_ms, ttft_ms=ttft_ms, slo_class=slo_class),
+        submitted_at=submitted_at,
+    )
+
+
+def make_plan_request(
+    rid: str,
+    *,
+    arrival: float,
+    deadline: float | None,
+    model: str = "m",
+    seq: int = 0,
+    prompt: int = 10,
+    out: int = 10,
+) -> PlanRequest:
+    return PlanRequest(rid, model, prompt, out, arrival, deadline, None, seq=seq)
+
+
+def make_instance(
+    iid: str, models: tuple[str, ...] = ("m",), *, draining: bool = False, kv: int = 10_000
+) -> PlanInstance:
+    return PlanInstance(iid, models, "A100-80GB", kv, 256, draining=draining)
+
+
+def heartbeat(
+    agent_id: str, n: int = 1, models: tuple[str, ...] = ("mistral-7b",), at: float = 0.0
+) -> Heartbeat:
+    return Heartbeat(
+        agent_id=agent_id,
+        sent_at=at,
+        instances=[
+            InstanceStatus(
+                info=InstanceInfo(
+                    instance_id=f"{agent_id}-gpu{i}",
+                    agent_id=agent_id,
+                    engine="sim",
+                    gpu_type="A100-80GB",
+                    gpu_memory_gb=80,
+                    models=list(models),
+                    kv_capacity_tokens=100_000,
+                    max_batch_size=256,
+                )
+            )
+            for i in range(n)
+        ],
+    )

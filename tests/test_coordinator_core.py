@@ -1,0 +1,144 @@
+"""CoordinatorCore rules, tested without a broker (the service only carries them out)."""
+
+from __future__ import annotations
+
+from planner import create_policy
+from qlm.coordinator.core import CoordinatorCore, TrackState
+from tests.builders import heartbeat, make_request
+
+
+def core_with(agents: dict[str, int], policy: str = "edf") -> CoordinatorCore:
+    core = CoordinatorCore(create_policy(policy), heartbeat_timeout_s=3.0)
+    for aid, n in agents.items():
+        core.on_heartbeat(heartbeat(aid, n), now=0.0)
+    return core
+
+
+def admit(core: CoordinatorCore, **kw):  # type: ignore[no-untyped-def]
+    req = make_request(**kw)
+    tracked, outcome = core.admit(
+        req,
+        object(),
+        reply_to="r",
+        correlation_id=req.request_id,
+        received_at=kw.get("submitted_at") or 0.0,
+    )
+    assert outcome == "new"
+    return tracked
+
+
+def test_dispatch_follows_edf_order_and_credit() -> None:
+    core = core_with({"a": 1})
+    late = admit(core, e2e_ms=50_000, submitted_at=0.0)
+    early = admit(core, e2e_ms=1_000, submitted_at=1.0)
+    assert core.next_dispatches(2.0) == []  # no credit yet: nothing leaves the virtual queue
+    core.on_pull("a-gpu0", 1)
+    [order] = core.next_dispatches(2.0)
+    assert order.tracked is early and order.agent_id == "a"
+    core.on_pull("a-gpu0", 5)
+    assert [o.tracked for o in core.next_dispatches(2.0)] == [late]
+    assert early.state == TrackState.DISPATCHED and early.attempts == 1
+
+
+def test_requests_without_instances_wait_unassigned_then_get_placed() -> None:
+    core = core_with({})
+    t = admit(core)
+    assert core.unassigned == [t.request_id]
+    core.on_heartbeat(heartbeat("b"), now=1.0)
+    assert core.unassigned == [] and t.instance_id == "b-gpu0"
+
+
+def test_one_reply_per_request_even_with_a_late_result() -> None:
+    core = core_with({"a": 1, "b": 1})
+    t = admit(core)
+    core.on_pull(t.instance_id, 1)
+    [first] = core.next_dispatches(0.0)
+    lost_agent = first.agent_id
+    other = "b" if lost_agent == "a" else "a"
+    moved = core.lose_agent(lost_agent, "test", now=1.0)
+    assert moved == [t] and t.state == TrackState.QUEUED and t.instance_id == f"{other}-gpu0"
+    core.on_pull(f"{other}-gpu0", 1)
+    [second] = core.next_dispatches(1.0)
+    assert second.dispatch_id != first.dispatch_id and t.attempts == 2
+    # The "dead" agent was only slow: its result arrives first and is taken ...
+    assert core.accept_result(t.request_id, first.dispatch_id) is t
+    core.finish(t.request_id)
+    # ... and the second attempt's result is ignored: no second reply.
+    assert core.accept_result(t.request_id, second.dispatch_id) is None
+    assert core.accept_result(t.request_id, first.dispatch_id) is None
+
+
+def test_result_while_answering_is_ignored() -> None:
+    core = core_with({"a": 1})
+    t = admit(core)
+    core.on_pull("a-gpu0", 1)
+    [o] = core.next_dispatches(0.0)
+    assert core.accept_result(t.request_id, o.dispatch_id) is t
+    assert core.accept_result(t.request_id, o.dispatch_id) is None
+
+
+def test_redelivery_swaps_handle_and_answered_redelivery_is_recognised() -> None:
+    core = core_with({"a": 1})
+    req = make_request()
+    t, _ = core.admit(req, "h1", reply_to="r", correlation_id="c", received_at=0.0)
+    t2, outcome = core.admit(req, "h2", reply_to="r", correlation_id="c", received_at=1.0)
+    assert outcome == "redelivered" and t2 is t and t.delivery == "h2"
+    assert len(core.requests) == 1
+    core.on_pull("a-gpu0", 1)
+    [o] = core.next_dispatches(1.0)
+    core.accept_result(req.request_id, o.dispatch_id)
+    core.finish(req.request_id)
+    assert core.admit(req, "h3", reply_to="r", correlation_id="c", received_at=2.0) == (
+        None,
+        "answered",
+    )
+
+
+def test_heartbeat_timeout_requeues_queued_and_inflight() -> None:
+    core = core_with({"a": 1, "b": 1})
+    ts = [admit(core) for _ in range(6)]
+    core.on_pull("a-gpu0", 2)
+    core.next_dispatches(0.0)
+    core.on_heartbeat(heartbeat("b", at=5.0), now=5.0)  # only b keeps beating
+    lost = core.check_liveness(5.0)
+    assert [iid for iid, _ in lost] == ["a-gpu0"]
+    assert core.instances["a-gpu0"].status == "lost"
+    for t in ts:
+        assert t.state == TrackState.QUEUED and t.instance_id == "b-gpu0"
+    assert len(core.instances["b-gpu0"].queue) == 6
+
+
+def test_drain_moves_queue_and_stops_dispatch() -> None:
+    core = core_with({"a": 1, "b": 1})
+    for _ in range(10):
+        admit(core)
+    queued_on_a = len(core.instances["a-gpu0"].queue)
+    assert queued_on_a > 0
+    assert core.drain("a-gpu0", now=1.0) == queued_on_a
+    assert len(core.instances["a-gpu0"].queue) == 0
+    assert len(core.instances["b-gpu0"].queue) == 10
+    core.on_pull("a-gpu0", 5)
+    assert all(o.instance_id == "b-gpu0" for o in core.next_dispatches(1.0))
+    assert admit(core).instance_id == "b-gpu0"
+
+
+def test_replan_keeps_every_request_once_in_policy_order() -> None:
+    core = core_with({"a": 2}, policy="fcfs")
+    ts = [admit(core, submitted_at=float(10 - i)) for i in range(8)]
+    core.policy = create_policy("edf")
+    plan = core.replan(now=20.0)
+    assert sorted(plan.assigned_ids()) == sorted(t.request_id for t in ts)
+    for inst in core.instances.values():
+        ids = list(inst.queue)
+        deadlines = [core.requests[r].plan_view.deadline for r in ids]
+        assert deadlines == sorted(deadlines)
+
+
+def test_credit_from_heartbeat_survives_a_coordinator_restart() -> None:
+    core = core_with({})
+    hb = heartbeat("a")
+    hb.instances[0].credit_outstanding = 3
+    core.on_heartbeat(hb, now=0.0)
+    for _ in range(5):
+        admit(core)
+    assert len(core.next_dispatches(0.0)) == 3
