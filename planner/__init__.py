@@ -7,12 +7,17 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from planner.balancing import RandomPolicy, RoundRobinPolicy
 from planner.baselines import EDFPolicy, FCFSPolicy
+from planner.shepherd import SHEPHERDPolicy
 from qlm.policy import QueuePolicy
 
 POLICIES: dict[str, Callable[[], QueuePolicy]] = {
     "fcfs": FCFSPolicy,
     "edf": EDFPolicy,
+    "shepherd": SHEPHERDPolicy,
+    "round_robin": RoundRobinPolicy,
+    "random": RandomPolicy,
 }
 
 
@@ -23,4 +28,12 @@ def create_policy(name: str) -> QueuePolicy:
         raise ValueError(f"unknown policy {name!r}; choose from {sorted(POLICIES)}") from None
 
 
-__all__ = ["POLICIES", "EDFPolicy", "FCFSPolicy", "create_policy"]
+__all__ = [
+    "POLICIES",
+    "EDFPolicy",
+    "FCFSPolicy",
+    "RandomPolicy",
+    "RoundRobinPolicy",
+    "SHEPHERDPolicy",
+    "create_policy",
+]

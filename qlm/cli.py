@@ -8,7 +8,7 @@ import contextlib
 import json
 import os
 import signal
-import sys
+import uuid
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -52,7 +52,6 @@ def coordinator(
     policy: Annotated[str | None, typer.Option(help="fcfs | edf (default: QLM_POLICY)")] = None,
     shards: Annotated[int | None, typer.Option(help="global queue shards (QLM_SHARDS)")] = None,
     admin_port: Annotated[int | None, typer.Option(help="admin API port (QLM_ADMIN_PORT)")] = None,
-    port_file: Annotated[Path | None, typer.Option(help="write the bound admin port here")] = None,
 ) -> None:
     """Run the coordinator: consume the global queue, plan, dispatch, reply; serve the admin API."""
     s = _settings()
@@ -63,14 +62,11 @@ def coordinator(
             policy or s.policy,
             shards or s.shards,
             s.admin_port if admin_port is None else admin_port,
-            port_file,
         )
     )
 
 
-async def _run_coordinator(
-    s: Settings, policy_name: str, shards: int, admin_port: int, port_file: Path | None
-) -> None:
+async def _run_coordinator(s: Settings, policy_name: str, shards: int, admin_port: int) -> None:
     from planner import create_policy
     from qlm.admin import create_admin_app, serve_admin
     from qlm.catalog import ModelCatalog
@@ -95,8 +91,6 @@ async def _run_coordinator(
     await coord.start()
     api = create_admin_app(coord, token=s.admin_token.get_secret_value(), metrics=coord.metrics)
     server = await serve_admin(api, s.admin_host, admin_port)
-    if port_file is not None:
-        port_file.write_text(str(server.port))
     try:
         await _wait_for_signal()
     finally:
@@ -180,14 +174,15 @@ def submit(
     """Publish requests (replaying arrival times for traces), wait for every reply, report."""
     s = _settings()
     _setup_logging(s, "submit")
-    from qlm.demo import DEFAULT_SLO_CLASSES, build_workload, run_replay
+    from qlm.demo import build_workload, run_replay
 
     timed = build_workload(
         source,
         start=start,
         duration=duration,
         models=models.split(","),
-        slo_classes=DEFAULT_SLO_CLASSES,
+        slo_classes=[],  # the demo's two classes: interactive 15 s, batch 5 min
+        id_prefix=f"submit-{uuid.uuid4().hex[:8]}",
         seed=seed,
     )
     report = asyncio.run(run_replay(s.amqp_url, timed, speedup=speedup, timeout=timeout))
@@ -291,10 +286,44 @@ def bench_ingest(
         json_out.write_text(json.dumps(result, indent=2))
 
 
+@bench_app.command("planner")
+def bench_planner(
+    queued: Annotated[int | None, typer.Option(help="one queue size (default 1k,10k,100k)")] = None,
+    instances: Annotated[int | None, typer.Option(help="one instance count (default 8,32)")] = None,
+    slo: Annotated[str | None, typer.Option(help="tight or loose (default both)")] = None,
+    repeats: Annotated[int, typer.Option(help="replans per case and policy")] = 3,
+    policies: Annotated[
+        str, typer.Option(help="comma-separated policies")
+    ] = "qlm,edf,fcfs,shepherd,round_robin,random",
+    seed: Annotated[int, typer.Option()] = 0,
+    isolate: Annotated[
+        bool, typer.Option(help="fresh process per case and policy (honest peak RSS)")
+    ] = True,
+    json_out: Annotated[Path | None, typer.Option("--json")] = None,
+) -> None:
+    """Replan latency p50/p95, predicted SLO attainment and peak RSS of each policy."""
+    from qlm.bench_planner import run_bench
+
+    try:
+        run_bench(
+            queued=queued,
+            instances=instances,
+            slo=slo,
+            repeats=repeats,
+            policies=[p.strip() for p in policies.split(",") if p.strip()],
+            seed=seed,
+            json_path=json_out,
+            isolate=isolate,
+            echo=typer.echo,
+        )
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from e
+
+
 def main() -> None:
     with contextlib.suppress(KeyboardInterrupt):
         app()
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

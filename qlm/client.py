@@ -144,6 +144,8 @@ class QlmClient:
     ) -> asyncio.Future[Reply]:
         """Publish ``request``; return once the broker confirmed it, with a future for the reply.
 
+        Submitting the same request id again publishes it again and returns the same future.
+
         ``submitted_at`` (unix seconds) is written into the request: its SLO deadlines then count
         from that moment instead of from the coordinator's receipt.
         """
@@ -194,9 +196,10 @@ class QlmClient:
     ) -> asyncio.Future[Reply]:
         if self._ingress is None:
             raise RuntimeError("QlmClient is not connected; use `async with QlmClient(url)`")
-        if correlation_id in self._pending:
-            raise ValueError(f"request id {correlation_id!r} was already submitted by this client")
-        fut: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
+        # Publishing an id again (a retry after an unclear failure) shares the first future: the
+        # coordinator answers each request id once.
+        existing = self._pending.get(correlation_id)
+        fut: asyncio.Future[Reply] = existing or asyncio.get_running_loop().create_future()
         # Registered before publishing: the reply can beat the confirm back to us.
         self._pending[correlation_id] = fut
         message = aio_pika.Message(
@@ -215,8 +218,9 @@ class QlmClient:
             await self._ingress.publish(message, routing_key=routing_key)
         except BaseException:
             # Not confirmed: the caller decides whether to retry (which may then duplicate).
-            del self._pending[correlation_id]
-            fut.cancel()
+            if existing is None:
+                del self._pending[correlation_id]
+                fut.cancel()
             raise
         return fut
 

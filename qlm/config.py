@@ -11,7 +11,7 @@ class Settings(BaseSettings):
 
     amqp_url: str = Field(
         default="amqp://guest:guest@127.0.0.1:5672/",
-        description="broker URL; `make`/`qlm demo` start a private broker when QLM_AMQP_URL is unset",
+        description="broker URL (`qlm demo` starts a private one when QLM_AMQP_URL is unset)",
     )
     database_url: str = "sqlite+aiosqlite:///.qlm/qlm.db"
     admin_token: SecretStr | None = None

@@ -37,9 +37,6 @@ def _slo_classes() -> list[Any]:
     ]
 
 
-DEFAULT_SLO_CLASSES: list[Any] = []  # filled lazily: see build_workload
-
-
 def build_workload(
     source: str,
     *,
@@ -48,6 +45,7 @@ def build_workload(
     models: list[str],
     slo_classes: list[Any],
     seed: int = 0,
+    id_prefix: str = "req",
 ) -> list[tuple[float, RequestMessage]]:
     """Timed requests from a JSONL file of RequestMessages (all at t=0) or a trace."""
     from qlm import trace
@@ -70,7 +68,12 @@ def build_workload(
             trace.TraceRecord(r.arrival_s - base, r.prompt_tokens, r.output_tokens) for r in records
         ]
     return trace.to_requests(
-        records, models=models, slo_classes=classes, seed=seed, catalog=ModelCatalog()
+        records,
+        models=models,
+        slo_classes=classes,
+        seed=seed,
+        catalog=ModelCatalog(),
+        id_prefix=id_prefix,
     )
 
 
@@ -214,26 +217,67 @@ class LocalCluster:
         return path.read_text(errors="replace") if path.exists() else ""
 
 
+# One model per instance: FCFS/EDF placement is not model-aware, and two instances that both
+# host both models spend their time switching weights (grouping by model is the planner's job).
 DEMO_AGENTS = [
-    {"agent_id": "a100-0", "gpu_type": "A100-80GB", "models": ["mistral-7b", "vicuna-13b"]},
-    {"agent_id": "a100-1", "gpu_type": "A100-80GB", "models": ["mistral-7b", "vicuna-13b"]},
+    {"agent_id": "a100-0", "gpu_type": "A100-80GB", "models": ["mistral-7b"]},
+    {"agent_id": "a100-1", "gpu_type": "A100-80GB", "models": ["vicuna-13b"]},
 ]
 
 
 async def run_demo(
     *, json_out: Path | None, duration: float, policy: str, trace_start: float
 ) -> int:
-    from qlm.localbroker import ensure_broker, stop_local_broker
+    from qlm.localbroker import ensure_broker, local_broker_running, stop_local_broker
 
-    started_broker = "QLM_AMQP_URL" not in os.environ
+    # Stop the private broker afterwards only if this demo started it.
+    started_broker = "QLM_AMQP_URL" not in os.environ and not local_broker_running()
     t0 = time.monotonic()
-    amqp_url = ensure_broker()
-    print(f"broker ready: {amqp_url} ({time.monotonic() - t0:.1f} s)", flush=True)
+    base_url = ensure_broker()
+    print(f"broker ready: {base_url} ({time.monotonic() - t0:.1f} s)", flush=True)
     workdir = Path(".qlm") / "demo"
     workdir.mkdir(parents=True, exist_ok=True)
     db = workdir / "qlm.db"
     if db.exists():
         db.unlink()
+    try:
+        with contextlib.ExitStack() as stack:
+            amqp_url = stack.enter_context(_demo_vhost(base_url))
+            return await _demo(amqp_url, workdir, db, json_out, duration, policy, trace_start)
+    finally:
+        if started_broker:
+            stop_local_broker()
+        print(f"demo finished in {time.monotonic() - t0:.0f} s", flush=True)
+
+
+@contextlib.contextmanager
+def _demo_vhost(base_url: str) -> Any:
+    """A fresh vhost, so nothing a previous run left in the queues mixes with this one; on a
+    broker whose management API we cannot reach, the given vhost (ids are unique per run)."""
+    from qlm.localbroker import isolated_vhost
+
+    try:
+        cm = isolated_vhost(base_url, prefix="qlm-demo")
+        url = cm.__enter__()
+    except Exception as exc:  # noqa: BLE001 - any failure: fall back, and say so
+        print(f"(no private vhost: {exc!r}; using the broker's vhost)", flush=True)
+        yield base_url
+        return
+    try:
+        yield url
+    finally:
+        cm.__exit__(None, None, None)
+
+
+async def _demo(
+    amqp_url: str,
+    workdir: Path,
+    db: Path,
+    json_out: Path | None,
+    duration: float,
+    policy: str,
+    trace_start: float,
+) -> int:
     cluster = LocalCluster(
         amqp_url,
         policy=policy,
@@ -244,7 +288,7 @@ async def run_demo(
     try:
         await cluster.start()
         print(
-            f"coordinator + {len(DEMO_AGENTS)} simulated A100 agents up; replaying "
+            f"coordinator ({policy}) + {len(DEMO_AGENTS)} simulated A100 agents up; replaying "
             f"{duration:.0f} s of the Azure 2023 conversation trace ...",
             flush=True,
         )
@@ -254,8 +298,9 @@ async def run_demo(
             duration=duration,
             models=["mistral-7b", "vicuna-13b"],
             slo_classes=_slo_classes(),
+            id_prefix=f"demo-{secrets.token_hex(4)}",
         )
-        report = await run_replay(amqp_url, timed, speedup=1.0, timeout=duration + 120)
+        report = await run_replay(amqp_url, timed, speedup=1.0, timeout=60)
         print(report.format_table(), flush=True)
         data = report.to_json()
         data["policy"] = policy
@@ -266,6 +311,3 @@ async def run_demo(
         return 0 if ok else 1
     finally:
         cluster.stop()
-        if started_broker:
-            stop_local_broker()
-        print(f"demo finished in {time.monotonic() - t0:.0f} s", flush=True)

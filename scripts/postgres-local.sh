@@ -142,16 +142,19 @@ cmd_up() {
 				die "initdb failed"
 			}
 	fi
-	port="$(free_port)"
-	log "starting PostgreSQL on 127.0.0.1:$port (cluster $cdir)"
-	# fd 9 (the lock) must not leak into the server, or the next `up` would wait forever.
-	as_owner "$bin/pg_ctl" -D "$cdir/data" -l "$cdir/postgres.log" -w -t 60 \
-		-o "-p $port -k $sock -c listen_addresses=127.0.0.1 -c fsync=off \
--c synchronous_commit=off -c full_page_writes=off" start >/dev/null 9>&- ||
-		{
-			tail -n 30 "$cdir/postgres.log" >&2 || true
-			die "pg_ctl start failed"
-		}
+	local attempt
+	for attempt in 1 2 3; do
+		port="$(free_port)"
+		log "starting PostgreSQL on 127.0.0.1:$port (cluster $cdir)"
+		# fd 9 (the lock) must not leak into the server, or the next `up` would wait forever.
+		as_owner "$bin/pg_ctl" -D "$cdir/data" -l "$cdir/postgres.log" -w -t 60 \
+			-o "-p $port -k $sock -c listen_addresses=127.0.0.1 -c fsync=off \
+-c synchronous_commit=off -c full_page_writes=off" start >/dev/null 9>&- && break
+		tail -n 20 "$cdir/postgres.log" >&2 || true
+		((attempt < 3)) || die "pg_ctl start failed (log: $cdir/postgres.log)"
+		# Most likely the probed port was taken meanwhile: try another one.
+		log "pg_ctl start failed (attempt $attempt); retrying on another port"
+	done
 	printf '%s\n' "$port" >"$STATE/port"
 	if [[ -z $("$bin/psql" -h 127.0.0.1 -p "$port" -U postgres -d postgres -tAc \
 		"SELECT 1 FROM pg_database WHERE datname = '$DATABASE'") ]]; then
@@ -192,7 +195,9 @@ cmd_url() {
 cmd_clean() {
 	cmd_down
 	if [[ -f $STATE/cluster_dir ]]; then
-		rm -rf "$(cat "$STATE/cluster_dir")"
+		local cdir
+		cdir="$(cat "$STATE/cluster_dir")"
+		rm -rf "$cdir" "$(socket_dir "$cdir")"
 	fi
 	rm -rf "$STATE"
 }

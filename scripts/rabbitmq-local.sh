@@ -150,7 +150,8 @@ write_config() {
 	if [[ ! -s $STATE/home/.erlang.cookie ]]; then
 		(
 			umask 077
-			head -c 30 /dev/urandom | base64 | tr -dc 'A-Za-z0-9' | head -c 32 >"$STATE/home/.erlang.cookie"
+			python3 -c 'import secrets; print(secrets.token_hex(16), end="")' \
+				>"$STATE/home/.erlang.cookie"
 		)
 		chmod 400 "$STATE/home/.erlang.cookie"
 	fi
@@ -214,21 +215,26 @@ cmd_up() {
 		amqp_url
 		return 0
 	fi
-	write_config
-	node_env
-	local t0=$SECONDS
-	log "starting node $NODE (AMQP $AMQP_PORT, management $MGMT_PORT, dist $DIST_PORT) in $STATE"
-	# Not -detached: keeping stdout lets us see boot errors that happen before logging starts.
-	# setsid + redirected fds: the node outlives this script and holds none of its pipes,
-	# nor the lock (fd 9).
-	(cd "$STATE" && exec setsid nohup rabbitmq-server >"$STATE/log/stdout.log" 2>&1 </dev/null 9>&-) &
-	local launcher=$!
-	if ! wait_ready "$launcher"; then
-		log "node did not become ready within ${START_TIMEOUT_S}s; last log lines:"
-		tail -n 30 "$STATE/log/stdout.log" "$STATE/log/$NODE.log" >&2 2>/dev/null || true
-		cmd_down || true
-		exit 1
-	fi
+	local t0=$SECONDS attempt launcher
+	for attempt in 1 2 3; do
+		write_config
+		node_env
+		log "starting node $NODE (AMQP $AMQP_PORT, management $MGMT_PORT, dist $DIST_PORT) in $STATE"
+		# Not -detached: keeping stdout shows boot errors that happen before logging starts.
+		# setsid + redirected fds: the node outlives this script and holds none of its pipes,
+		# nor the lock (fd 9).
+		(cd "$STATE" && exec setsid nohup rabbitmq-server >"$STATE/log/stdout.log" 2>&1 </dev/null 9>&-) &
+		launcher=$!
+		wait_ready "$launcher" && break
+		if kill -0 "$launcher" 2>/dev/null || ((attempt == 3)); then
+			log "node did not become ready; its first errors:"
+			grep -m 8 -iE 'error|failed|eaddrinuse' "$STATE/log/stdout.log" >&2 || true
+			cmd_down || true
+			die "node $NODE failed to start (logs in $STATE/log)"
+		fi
+		# The node died during boot, e.g. a probed port was taken meanwhile: new ports, again.
+		log "node exited during boot (attempt $attempt); retrying with new ports"
+	done
 	publish_urls
 	log "ready in $((SECONDS - t0))s"
 	amqp_url

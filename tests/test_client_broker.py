@@ -166,6 +166,18 @@ async def test_request_ids_spread_over_the_shards_and_each_arrives_once(
     assert all(len(v) >= 60 for v in per_shard.values()), {i: len(v) for i, v in per_shard.items()}
 
 
+async def test_resubmitting_an_id_shares_the_future_and_hits_the_same_shard(
+    isolated_amqp_url: str, channel: AbstractChannel
+) -> None:
+    async with QlmClient(isolated_amqp_url) as client:
+        await client.ensure_topology(SHARDS)
+        first = await client.submit(make_request("again-1"))
+        second = await client.submit(make_request("again-1"))
+        assert first is second and client.outstanding() == 1
+        # The consistent-hash exchange sends a request id to the same shard every time.
+        assert sorted(await shard_counts(channel)) == [0, 2]
+
+
 async def test_reply_resolves_the_future_and_a_second_reply_is_a_duplicate(
     isolated_amqp_url: str, channel: AbstractChannel
 ) -> None:

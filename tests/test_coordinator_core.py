@@ -81,7 +81,9 @@ def test_redelivery_swaps_handle_and_answered_redelivery_is_recognised() -> None
     core = core_with({"a": 1})
     req = make_request()
     t, _ = core.admit(req, "h1", reply_to="r", correlation_id="c", received_at=0.0)
-    t2, outcome = core.admit(req, "h2", reply_to="r", correlation_id="c", received_at=1.0)
+    t2, outcome = core.admit(
+        req, "h2", reply_to="r", correlation_id="c", received_at=1.0, redelivered=True
+    )
     assert outcome == "redelivered" and t2 is t and t.delivery == "h2"
     assert len(core.requests) == 1
     core.on_pull("a-gpu0", 1)
@@ -142,3 +144,17 @@ def test_credit_from_heartbeat_survives_a_coordinator_restart() -> None:
     for _ in range(5):
         admit(core)
     assert len(core.next_dispatches(0.0)) == 3
+
+
+def test_duplicate_publish_rides_along_and_is_answered_once_per_producer() -> None:
+    core = core_with({"a": 1})
+    req = make_request()
+    t, _ = core.admit(req, "h1", reply_to="q1", correlation_id="c1", received_at=0.0)
+    same, outcome = core.admit(req, "h2", reply_to="q2", correlation_id="c2", received_at=1.0)
+    again, _ = core.admit(req, "h3", reply_to="q1", correlation_id="c1", received_at=2.0)
+    assert outcome == "duplicate" and same is t and again is t
+    assert t.delivery == "h1" and [d for d, _, _ in t.duplicates] == ["h2", "h3"]
+    # Not run twice: one queue entry ...
+    assert sum(len(i.queue) for i in core.instances.values()) == 1
+    # ... and one reply per distinct producer.
+    assert t.reply_targets() == [("q1", "c1"), ("q2", "c2")]

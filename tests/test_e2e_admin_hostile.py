@@ -9,8 +9,8 @@ from pathlib import Path
 import aio_pika
 import httpx
 import pytest
-from qlm.client import QlmClient
 
+from qlm.client import QlmClient
 from qlm.topology import DEAD_LETTER_QUEUE, REASON_HEADER
 from qlm.types import SLO, ErrorMessage, RequestMessage, ResultMessage
 from tests.e2e import gather_replies, running_cluster

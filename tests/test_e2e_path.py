@@ -9,8 +9,8 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from qlm.client import QlmClient
 
+from qlm.client import QlmClient
 from qlm.types import SLO, RequestMessage, ResultMessage
 from tests.e2e import gather_replies, running_cluster, store_counts
 

@@ -1,21 +1,81 @@
-"""Conformance suite: every ordering policy registered in ``planner.POLICIES`` must pass it."""
+"""Conformance suite: every ordering policy registered in ``planner.POLICIES`` must pass it.
+
+What the suite holds every policy to:
+
+* **Partition.** Every queued request is placed exactly once: in one instance's queue or in
+  ``unassigned``, and ``unassigned`` only when no live instance serves its model.
+* **Capacity respected.** No queue gets a request for a model its instance does not serve, and
+  no draining instance gets anything. Load is spread: with identical instances and identical
+  requests, no instance receives more than twice its fair share (``plan`` and ``place`` alike).
+  Load-aware policies also send an arrival to the clearly less-loaded of two queues.
+* **Deterministic.** The same inputs give the same plan, whatever the input order, across
+  fresh policy objects (seeded policies use their default seed); so does a sequence of
+  ``place`` calls.
+* **No starvation.** In a drain loop (arrivals placed with ``place`` at their ``sort_key``
+  position, instances taking one request a step, a full ``plan`` adopted every few steps), a
+  request is dispatched within a bounded number of steps while every request carries a
+  bounded SLO. (Requests without any deadline are out of scope: EDF serves them last by design.)
+* **place agrees with plan.** Placing requests one by one and keeping each queue sorted by
+  ``sort_key`` gives a valid partition too.
+* **Degenerate inputs never crash**: zero instances, no serving instance, SLOs already passed,
+  one huge request, one huge uniform batch, thousands of tiny requests.
+"""
 
 from __future__ import annotations
+
+import random
+from collections import Counter
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from planner import POLICIES, create_policy
-from qlm.policy import QueuePolicy
+from qlm.policy import Plan, PlanInstance, PlanRequest, QueuePolicy
+from qlm.virtual_queue import VirtualQueue
 from tests.builders import make_instance, make_plan_request
 
 ALL = sorted(POLICIES)
+# Policies whose plan is exactly "sort by sort_key, then balance": their queues must be sorted.
+SORT_ORDERED = sorted({"fcfs", "edf", "round_robin", "random"} & set(POLICIES))
+# Policies that place without looking at queued work, by design.
+LOAD_OBLIVIOUS = {"round_robin", "random"}
+LOAD_AWARE = [n for n in ALL if n not in LOAD_OBLIVIOUS]
 
 
 @pytest.fixture(params=ALL)
 def policy(request: pytest.FixtureRequest) -> QueuePolicy:
     return create_policy(request.param)
+
+
+def assert_valid_partition(plan: Plan, reqs: list[PlanRequest], insts: list[PlanInstance]) -> None:
+    placed = plan.assigned_ids() + plan.unassigned
+    assert sorted(placed) == sorted(r.request_id for r in reqs), "not placed exactly once"
+    by_id = {r.request_id: r for r in reqs}
+    inst_by_id = {i.instance_id: i for i in insts}
+    assert set(plan.queues) <= set(inst_by_id)
+    for iid, ids in plan.queues.items():
+        for rid in ids:
+            assert inst_by_id[iid].serves(by_id[rid].model), f"{rid} on {iid}"
+    for rid in plan.unassigned:
+        assert not any(i.serves(by_id[rid].model) for i in insts), f"{rid} left unassigned"
+
+
+def place_all(
+    policy: QueuePolicy, reqs: list[PlanRequest], insts: list[PlanInstance], now: float = 0.0
+) -> Plan:
+    """What the coordinator does per arrival: ``place`` into a queue kept sorted by sort_key."""
+    queues = {i.instance_id: VirtualQueue(i.instance_id) for i in insts}
+    load = dict.fromkeys(queues, 0.0)
+    unassigned = []
+    for r in reqs:
+        target = policy.place(r, insts, load, now)
+        if target is None:
+            unassigned.append(r.request_id)
+            continue
+        queues[target].insert(r.request_id, policy.sort_key(r))
+        load[target] += policy.work_tokens(r)
+    return Plan(queues={k: list(q) for k, q in queues.items()}, unassigned=unassigned)
 
 
 requests_strategy = st.lists(
@@ -28,13 +88,7 @@ requests_strategy = st.lists(
 )
 
 
-@pytest.mark.parametrize("name", ALL)
-@settings(max_examples=60, deadline=None)
-@given(specs=requests_strategy, n_inst=st.integers(0, 4))
-def test_plan_is_a_partition(name: str, specs: list, n_inst: int) -> None:
-    """Every request appears exactly once: in one queue, or unassigned; only on instances that
-    serve its model and are not draining."""
-    policy = create_policy(name)
+def build(specs: list, n_inst: int) -> tuple[list[PlanRequest], list[PlanInstance]]:
     reqs = [
         make_plan_request(f"r{i}", arrival=a, deadline=d, model=m, seq=i)
         for i, (a, d, m) in enumerate(specs)
@@ -43,19 +97,37 @@ def test_plan_is_a_partition(name: str, specs: list, n_inst: int) -> None:
         make_instance(f"i{k}", ("m",) if k % 2 else ("m", "n"), draining=k == 3)
         for k in range(n_inst)
     ]
-    plan = policy.plan(reqs, insts, now=0.0)
-    placed = plan.assigned_ids() + plan.unassigned
-    assert sorted(placed) == sorted(r.request_id for r in reqs)
-    by_id = {r.request_id: r for r in reqs}
-    inst_by_id = {i.instance_id: i for i in insts}
-    for iid, ids in plan.queues.items():
-        for rid in ids:
-            assert inst_by_id[iid].serves(by_id[rid].model)
-    for rid in plan.unassigned:
-        assert not any(i.serves(by_id[rid].model) for i in insts)
+    return reqs, insts
+
+
+# ------------------------------------------------------------------------------- partition
+@pytest.mark.parametrize("name", ALL)
+@settings(max_examples=60, deadline=None)
+@given(specs=requests_strategy, n_inst=st.integers(0, 4), now=st.floats(0, 500))
+def test_plan_is_a_partition(name: str, specs: list, n_inst: int, now: float) -> None:
+    """Every request appears exactly once: in one queue, or unassigned; only on instances that
+    serve its model and are not draining."""
+    reqs, insts = build(specs, n_inst)
+    assert_valid_partition(create_policy(name).plan(reqs, insts, now=now), reqs, insts)
 
 
 @pytest.mark.parametrize("name", ALL)
+@settings(max_examples=40, deadline=None)
+@given(specs=requests_strategy, n_inst=st.integers(0, 4))
+def test_place_then_sort_is_a_partition(name: str, specs: list, n_inst: int) -> None:
+    """place agrees with plan: one-by-one placement, each queue in sort_key order, is also a
+    valid partition and its queues are sorted by the policy's key."""
+    policy = create_policy(name)
+    reqs, insts = build(specs, n_inst)
+    plan = place_all(policy, reqs, insts)
+    assert_valid_partition(plan, reqs, insts)
+    by_id = {r.request_id: r for r in reqs}
+    for ids in plan.queues.values():
+        keys = [policy.sort_key(by_id[rid]) for rid in ids]
+        assert keys == sorted(keys)
+
+
+@pytest.mark.parametrize("name", SORT_ORDERED)
 @settings(max_examples=60, deadline=None)
 @given(specs=requests_strategy)
 def test_queue_order_follows_sort_key(name: str, specs: list) -> None:
@@ -70,33 +142,168 @@ def test_queue_order_follows_sort_key(name: str, specs: list) -> None:
     assert keys == sorted(keys)
 
 
+# -------------------------------------------------------------------------------- capacity
 def test_place_returns_none_without_a_serving_instance(policy: QueuePolicy) -> None:
     r = make_plan_request("r", arrival=0, deadline=1, model="x")
     assert policy.place(r, [make_instance("i0")], {"i0": 0.0}, now=0.0) is None
+    assert policy.place(r, [], {}, now=0.0) is None
 
 
-def test_place_balances_load(policy: QueuePolicy) -> None:
+@pytest.mark.parametrize("name", LOAD_AWARE)
+def test_place_balances_load(name: str) -> None:
     r = make_plan_request("r", arrival=0, deadline=1)
     insts = [make_instance("i0"), make_instance("i1")]
-    assert policy.place(r, insts, {"i0": 5000.0, "i1": 10.0}, now=0.0) == "i1"
+    assert create_policy(name).place(r, insts, {"i0": 5000.0, "i1": 10.0}, now=0.0) == "i1"
 
 
 def test_place_skips_draining(policy: QueuePolicy) -> None:
     r = make_plan_request("r", arrival=0, deadline=1)
     insts = [make_instance("i0", draining=True), make_instance("i1")]
-    assert policy.place(r, insts, {"i0": 0.0, "i1": 1e9}, now=0.0) == "i1"
+    for _ in range(4):  # stateful policies (round-robin) must skip it on every turn
+        assert policy.place(r, insts, {"i0": 0.0, "i1": 1e9}, now=0.0) == "i1"
 
 
+def test_model_restricted_instances_get_only_their_model(policy: QueuePolicy) -> None:
+    reqs = [
+        make_plan_request(f"r{i}", arrival=i, deadline=50 + i, model="mn"[i % 2], seq=i)
+        for i in range(60)
+    ]
+    insts = [make_instance("only-m", ("m",)), make_instance("only-n", ("n",))]
+    for plan in (policy.plan(reqs, insts, 0.0), place_all(policy, reqs, insts)):
+        assert_valid_partition(plan, reqs, insts)
+        assert len(plan.queues["only-m"]) == len(plan.queues["only-n"]) == 30
+
+
+def test_load_is_spread_over_identical_instances(policy: QueuePolicy) -> None:
+    n, m = 400, 4
+    reqs = [make_plan_request(f"r{i}", arrival=i, deadline=1e6, seq=i) for i in range(n)]
+    insts = [make_instance(f"i{k}") for k in range(m)]
+    fair = n / m
+    for plan in (policy.plan(reqs, insts, 0.0), place_all(policy, reqs, insts)):
+        sizes = [len(q) for q in plan.queues.values()]
+        assert sum(sizes) == n
+        assert max(sizes) <= 2 * fair, sizes
+
+
+# ---------------------------------------------------------------------------- determinism
 def test_plan_is_deterministic(policy: QueuePolicy) -> None:
+    name = policy.name
     reqs = [
         make_plan_request(f"r{i}", arrival=i % 3, deadline=10 - i % 4, seq=i) for i in range(30)
     ]
     insts = [make_instance("i0"), make_instance("i1")]
-    a = policy.plan(reqs, insts, now=0.0)
-    b = policy.plan(list(reversed(reqs)), insts, now=0.0)
+    a = create_policy(name).plan(reqs, insts, now=0.0)
+    b = create_policy(name).plan(list(reversed(reqs)), list(reversed(insts)), now=0.0)
+    c = policy.plan(reqs, insts, now=0.0)
+    assert a.queues == b.queues == c.queues
+    assert a.unassigned == b.unassigned
+
+
+def test_place_sequence_is_deterministic(policy: QueuePolicy) -> None:
+    rng = random.Random(7)
+    reqs = [
+        make_plan_request(f"r{i}", arrival=i, deadline=i + rng.uniform(1, 50), seq=i)
+        for i in range(100)
+    ]
+    insts = [make_instance(f"i{k}") for k in range(3)]
+    a = place_all(create_policy(policy.name), reqs, insts)
+    b = place_all(create_policy(policy.name), reqs, insts)
     assert a.queues == b.queues
 
 
+# ----------------------------------------------------------------------------- starvation
+def test_no_request_starves_under_bounded_slos(policy: QueuePolicy) -> None:
+    """A request with the loosest SLO, followed by a steady stream of tighter-SLO arrivals, is
+    still dispatched within a bounded number of steps (EDF's guarantee: once the clock passes
+    its deadline, every new arrival sorts after it)."""
+    rng = random.Random(3)
+    insts = [make_instance("i0"), make_instance("i1")]
+    queues = {i.instance_id: VirtualQueue(i.instance_id) for i in insts}
+    load = dict.fromkeys(queues, 0.0)
+    known: dict[str, PlanRequest] = {}
+
+    def arrive(r: PlanRequest, now: float) -> None:
+        known[r.request_id] = r
+        target = policy.place(r, insts, load, now)
+        assert target is not None
+        queues[target].insert(r.request_id, policy.sort_key(r))
+        load[target] += policy.work_tokens(r)
+
+    max_slo, steps, seq = 40.0, 400, 0
+    arrive(make_plan_request("victim", arrival=0.0, deadline=max_slo, seq=seq), 0.0)
+    dispatched_at: dict[str, int] = {}
+    for t in range(1, steps):
+        for _ in range(2):  # arrivals match the service rate: the backlog random-walks
+            seq += 1
+            slo = rng.uniform(1.0, max_slo)
+            arrive(make_plan_request(f"a{seq}", arrival=t, deadline=t + slo, seq=seq), float(t))
+        if t % 7 == 0:  # a full replan, adopted the way the coordinator adopts it
+            plan = policy.plan(list(known.values()), insts, float(t))
+            for iid, ids in plan.queues.items():
+                queues[iid].replace([(rid, policy.sort_key(known[rid])) for rid in ids])
+                load[iid] = sum(policy.work_tokens(known[rid]) for rid in ids)
+        for iid, q in queues.items():
+            if len(q) and rng.random() < 0.98:
+                rid = q.pop()
+                load[iid] -= policy.work_tokens(known.pop(rid))
+                dispatched_at[rid] = t
+        if "victim" in dispatched_at:
+            break
+    assert "victim" in dispatched_at, f"victim still queued after {steps} steps"
+    assert dispatched_at["victim"] <= steps // 2
+
+
+# ------------------------------------------------------------------------- degenerate input
+def test_zero_instances_leave_everything_unassigned(policy: QueuePolicy) -> None:
+    reqs = [make_plan_request(f"r{i}", arrival=0, deadline=1, seq=i) for i in range(5)]
+    plan = policy.plan(reqs, [], now=0.0)
+    assert sorted(plan.unassigned) == sorted(r.request_id for r in reqs)
+    assert plan.assigned_ids() == []
+
+
+def test_no_usable_instance(policy: QueuePolicy) -> None:
+    reqs = [make_plan_request(f"r{i}", arrival=0, deadline=1, seq=i) for i in range(5)]
+    insts = [make_instance("d", draining=True), make_instance("other", ("x",))]
+    plan = policy.plan(reqs, insts, now=0.0)
+    assert_valid_partition(plan, reqs, insts)
+    assert len(plan.unassigned) == 5
+
+
+def test_empty_queue(policy: QueuePolicy) -> None:
+    plan = policy.plan([], [make_instance("i0")], now=0.0)
+    assert plan.assigned_ids() == [] and plan.unassigned == []
+
+
+def test_slo_already_passed(policy: QueuePolicy) -> None:
+    reqs = [
+        make_plan_request(f"r{i}", arrival=0, deadline=d, seq=i)
+        for i, d in enumerate([-100.0, 0.0, 5.0, None, 1e9])
+    ]
+    insts = [make_instance("i0"), make_instance("i1")]
+    assert_valid_partition(policy.plan(reqs, insts, now=1000.0), reqs, insts)
+
+
+def test_one_huge_request_and_one_huge_batch(policy: QueuePolicy) -> None:
+    huge = make_plan_request("huge", arrival=0, deadline=10, prompt=500_000, out=500_000)
+    same = [make_plan_request(f"s{i}", arrival=1, deadline=30, seq=i) for i in range(3000)]
+    insts = [make_instance("i0"), make_instance("i1", kv=100)]
+    reqs = [huge, *same]
+    assert_valid_partition(policy.plan(reqs, insts, now=0.0), reqs, insts)
+
+
+def test_thousands_of_tiny_requests(policy: QueuePolicy) -> None:
+    rng = random.Random(1)
+    reqs = [
+        PlanRequest(f"t{i}", "mn"[i % 2], rng.randint(0, 2), 1, i * 1e-3, i * 1e-3 + 1, None, seq=i)
+        for i in range(5000)
+    ]
+    insts = [make_instance(f"i{k}", ("m", "n")) for k in range(3)]
+    plan = policy.plan(reqs, insts, now=0.0)
+    assert_valid_partition(plan, reqs, insts)
+    assert Counter(len(q) > 0 for q in plan.queues.values())[True] >= 2
+
+
+# ---------------------------------------------------------------------------- baselines
 def test_edf_orders_by_deadline_and_fcfs_by_arrival() -> None:
     reqs = [
         make_plan_request("late-deadline", arrival=0, deadline=100, seq=1),
@@ -119,3 +326,7 @@ def test_edf_orders_by_deadline_and_fcfs_by_arrival() -> None:
 def test_unknown_policy_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match="unknown policy"):
         create_policy("nope")
+
+
+def test_the_paper_baselines_are_registered() -> None:
+    assert {"fcfs", "edf", "shepherd", "round_robin", "random"} <= set(POLICIES)

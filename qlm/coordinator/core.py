@@ -16,6 +16,7 @@ Exactly-once replies rest on three rules enforced here:
 
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
 from collections import OrderedDict
@@ -56,6 +57,19 @@ class TrackedRequest:
     dispatch_id: str | None = None
     dispatched_at: float | None = None
     attempts: int = 0
+    # The same request id published again (not a broker redelivery): it is not run twice;
+    # its delivery is settled, and its producer answered, together with the first.
+    duplicates: list[tuple[Any, str | None, str | None]] = field(default_factory=list)
+
+    def reply_targets(self) -> list[tuple[str, str | None]]:
+        """Distinct (reply_to, correlation_id) pairs to answer: one reply each."""
+        targets: list[tuple[str, str | None]] = []
+        for reply_to, cid in [(self.reply_to, self.correlation_id)] + [
+            (r, c) for _, r, c in self.duplicates
+        ]:
+            if reply_to and (reply_to, cid) not in targets:
+                targets.append((reply_to, cid))
+        return targets
 
     @property
     def request_id(self) -> str:
@@ -128,17 +142,23 @@ class CoordinatorCore:
         reply_to: str | None,
         correlation_id: str | None,
         received_at: float,
+        redelivered: bool = False,
     ) -> tuple[TrackedRequest | None, str]:
         """Track a validated request. Returns (tracked, outcome) where outcome is "new",
-        "redelivered" (already tracked: handle swapped) or "answered" (already replied: the
-        caller acks the delivery and sends nothing)."""
+        "redelivered" (a broker redelivery of a tracked request: its old handle died with its
+        channel, so the handle is swapped), "duplicate" (the same id published again while
+        tracked: it rides along with the first and is answered with it) or "answered" (already
+        replied: the caller acks the delivery and sends nothing)."""
         rid = request.request_id
         if rid in self.answered:
             return None, "answered"
         existing = self.requests.get(rid)
         if existing is not None:
-            existing.delivery = delivery
-            return existing, "redelivered"
+            if redelivered:
+                existing.delivery = delivery
+                return existing, "redelivered"
+            existing.duplicates.append((delivery, reply_to, correlation_id))
+            return existing, "duplicate"
         self._seq += 1
         submitted = request.submitted_at or received_at
         slo = request.slo
@@ -189,10 +209,8 @@ class CoordinatorCore:
     def _unqueue(self, tracked: TrackedRequest) -> None:
         """Take a QUEUED request out of wherever it waits."""
         if tracked.instance_id is None:
-            try:
+            with contextlib.suppress(ValueError):
                 self.unassigned.remove(tracked.request_id)
-            except ValueError:
-                pass
             return
         inst = self.instances.get(tracked.instance_id)
         if inst is not None and inst.queue.remove(tracked.request_id):
@@ -320,15 +338,13 @@ class CoordinatorCore:
             return []
         inst.status = "lost"
         inst.credit = 0
-        moved: list[TrackedRequest] = []
-        for rid in inst.queue.clear():
-            moved.append(self.requests[rid])
+        moved = [self.requests[rid] for rid in inst.queue.clear()]
         inst.queued_tokens = 0.0
-        for rid, did in list(inst.running.items()):
+        for rid, did in inst.running.items():
             tracked = self.requests.get(rid)
-            if tracked is not None and tracked.state == TrackState.DISPATCHED:
-                if tracked.dispatch_id == did:
-                    moved.append(tracked)
+            # only the attempt that is still current: an older one was already moved on
+            if tracked and tracked.state == TrackState.DISPATCHED and tracked.dispatch_id == did:
+                moved.append(tracked)
         inst.running.clear()
         for tracked in moved:
             self._place(tracked, now)

@@ -189,6 +189,7 @@ class Coordinator:
             reply_to=message.reply_to,
             correlation_id=message.correlation_id,
             received_at=now,
+            redelivered=bool(message.redelivered),
         )
         if outcome == "answered":
             # Already replied (an ack was lost): settle the copy without a second reply.
@@ -423,9 +424,10 @@ class Coordinator:
         self, t: TrackedRequest, msg: ResultMessage | ErrorMessage, ctl_msg: AbstractIncomingMessage
     ) -> bool:
         """Publish the one reply with a confirm, then ack the request's delivery."""
-        if t.reply_to:
+        if t.reply_to or t.duplicates:
             try:
-                await self._reply(t.reply_to, t.correlation_id, msg)
+                for reply_to, correlation_id in t.reply_targets():
+                    await self._reply(reply_to, correlation_id, msg)
             except Exception:
                 log.exception("reply_failed", request_id=t.request_id)
                 self.core.release_answering(t.request_id)
@@ -440,6 +442,9 @@ class Coordinator:
         return True
 
     async def _ack_delivery(self, t: TrackedRequest) -> None:
+        for duplicate, _, _ in t.duplicates:
+            with contextlib.suppress(Exception):
+                await duplicate.ack()
         for _ in range(2):
             delivery = t.delivery
             try:
