@@ -12,11 +12,24 @@ only knows this interface.
 
 from __future__ import annotations
 
+import functools
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+
+@functools.cache
+def token_rate(gpu_type: str, model: str) -> float:
+    """Tokens/s an instance processes for a model (engine performance model at a typical
+    batch of 32 × 1k context); 1.0 when the pair is unknown, so load is then compared raw."""
+    from qlm.engine_model import get_profile
+
+    try:
+        return get_profile(gpu_type, model).token_throughput(32, 1024)
+    except (KeyError, ValueError):
+        return 1.0
 
 
 @dataclass(frozen=True)
@@ -53,6 +66,11 @@ class PlanInstance:
     active_model: str | None = None
     running: int = 0
     draining: bool = False
+    # Models whose weights sit in host memory (a switch to them is a warm start from CPU);
+    # None means unknown: every model the instance serves is taken as warm.
+    warm_models: tuple[str, ...] | None = None
+    # Host memory free for warm models and swapped KV; None means unknown (no limit assumed).
+    cpu_memory_bytes: float | None = None
 
     def serves(self, model: str) -> bool:
         return not self.draining and model in self.models
@@ -93,15 +111,16 @@ class QueuePolicy(ABC):
         instances: Sequence[PlanInstance],
         load: Mapping[str, float],
     ) -> PlanInstance | None:
-        """Least normalised queued work among instances that serve the model; an instance
-        whose active model already matches wins ties (it needs no model switch)."""
+        """Least queued work, in seconds of the instance's token throughput for this model
+        (so a faster GPU takes proportionally more), among instances that serve the model; an
+        instance whose active model already matches wins ties (it needs no model switch)."""
         eligible = [i for i in instances if i.serves(request.model)]
         if not eligible:
             return None
         return min(
             eligible,
             key=lambda i: (
-                load.get(i.instance_id, 0.0) / max(i.kv_capacity_tokens, 1),
+                load.get(i.instance_id, 0.0) / token_rate(i.gpu_type, request.model),
                 i.active_model != request.model,
                 i.instance_id,
             ),
@@ -125,6 +144,16 @@ class QueuePolicy(ABC):
             queues[inst.instance_id].append(req.request_id)
             load[inst.instance_id] += self.work_tokens(req)
         return Plan(queues=queues, unassigned=unassigned, policy=self.name)
+
+    def wants_replan(self, now: float) -> bool:
+        """Whether the coordinator should run ``plan`` now (e.g. an arrival created a predicted
+        SLO violation, or the last plan is too old). Simple policies never ask."""
+        return False
+
+    def observe_completion(self, model: str, slo_class: str | None, output_tokens: int) -> None:
+        """A request finished with ``output_tokens`` tokens: policies that profile the workload
+        learn from it (the stochastic planner's output-length model). Default: ignored."""
+        return None
 
     def place(
         self,
