@@ -105,6 +105,7 @@ class Coordinator:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._liveness: asyncio.Task[None] | None = None
         self._stopping = False
+        self._replan_pending = False
         self.ingested = 0
         self.received_at_first: float | None = None
 
@@ -211,6 +212,8 @@ class Coordinator:
                 ttft_deadline=tracked.plan_view.ttft_deadline,
             )
             self.metrics.observe_ingest_latency(time.time() - now)
+            if self.core.policy.wants_replan(now):
+                self._schedule_replan()
         self._pump()
 
     async def _reject(
@@ -457,11 +460,37 @@ class Coordinator:
                 if t.delivery is delivery:
                     return
 
+    def _schedule_replan(self) -> None:
+        """Replan soon, once: arrivals that ask for it while one is pending share it."""
+        if self._replan_pending or self._stopping:
+            return
+        self._replan_pending = True
+
+        async def run() -> None:
+            await asyncio.sleep(0)  # let the current burst of deliveries be admitted first
+            try:
+                await self.replan()
+            finally:
+                self._replan_pending = False
+
+        self._spawn(run())
+
     # ------------------------------------------------------------------ liveness
     async def _liveness_loop(self) -> None:
+        last_tick = time.monotonic()
         while True:
             await asyncio.sleep(self.liveness_interval_s)
+            tick = time.monotonic()
+            gap, last_tick = tick - last_tick, tick
+            lagged = gap > 2 * self.liveness_interval_s + 0.5
             now = time.time()
+            if self.core.policy.wants_replan(now):
+                self._schedule_replan()
+            if lagged:
+                # This loop was blocked (e.g. a long replan): heartbeats that arrived meanwhile
+                # are still waiting in the broker. Judge liveness on the next tick, not now.
+                log.warning("liveness_check_skipped", lag_s=round(gap, 3))
+                continue
             for iid, moved in self.core.check_liveness(now):
                 self._record_instance(iid, "lost", now)
                 for t in moved:
@@ -584,6 +613,8 @@ class Coordinator:
             "duration_s": duration,
             "n_requests": n,
             "n_instances": len(plan.queues),
+            # set by policies that can tell: which GPUs to add when no plan meets the SLOs
+            "scale_up": plan.meta.get("scale_up"),
         }
 
     async def drain(self, instance_id: str) -> dict[str, Any]:
