@@ -14,7 +14,7 @@ STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 DEMO_ARGS ?=
 
-.PHONY: help venv test demo lint format broker-up broker-down postgres-up postgres-down clean distclean
+.PHONY: help venv tools test demo lint format broker-up broker-down postgres-up postgres-down clean distclean
 
 help:
 	@echo "make venv | test | demo | lint | format | broker-up | broker-down |"
@@ -44,7 +44,16 @@ $(STAMP): pyproject.toml
 # Starts the private broker and database unless they run already (or external URLs are set),
 # runs pytest, then stops what it started - also on Ctrl-C - and exits with pytest's status.
 # The session fixtures reuse the running servers (scripts' `up` is idempotent).
-test: venv
+# The shell producer example (and its test) needs curl and jq: install them when root.
+tools:
+	@if ! command -v jq >/dev/null || ! command -v curl >/dev/null; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    DEBIAN_FRONTEND=noninteractive apt-get update -qq </dev/null >&2 && \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq jq curl </dev/null >&2; \
+	  else echo "jq/curl missing and not root: the shell-producer test will be skipped" >&2; fi; \
+	fi
+
+test: venv tools
 	@started=(); \
 	cleanup() { \
 	  for s in "$${started[@]}"; do scripts/$$s-local.sh down || true; done; \

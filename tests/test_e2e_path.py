@@ -96,3 +96,18 @@ async def test_sigkill_one_of_two_agents_mid_run_still_one_reply_each(
     assert all(r.instance_id == "e2e-b-gpu0" for r in retried)
     counts = await store_counts(db)
     assert counts.get("completed") == 300, counts
+
+
+@pytest.mark.postgres
+async def test_coordinator_on_postgresql(
+    isolated_amqp_url: str, isolated_postgres_url: str, tmp_path: Path
+) -> None:
+    reqs = requests(100, "pg", seed=2)
+    async with running_cluster(
+        isolated_amqp_url, tmp_path, TWO_AGENTS, database_url=isolated_postgres_url
+    ):
+        async with QlmClient(isolated_amqp_url) as client:
+            replies = await gather_replies([await client.submit(r) for r in reqs], timeout=120)
+    assert sorted(r.request_id for r in replies) == sorted(r.request_id for r in reqs)
+    counts = await store_counts(isolated_postgres_url)
+    assert counts.get("completed") == 100, counts
