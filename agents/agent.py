@@ -31,7 +31,12 @@ from qlm.control import (
     InstanceStatus,
     Pull,
 )
-from qlm.topology import CONTROL_EXCHANGE, COORDINATOR_ROUTING_KEY, declare_agent_queue
+from qlm.topology import (
+    CONTROL_EXCHANGE,
+    COORDINATOR_ROUTING_KEY,
+    LIVE_ROUTING_KEY,
+    declare_agent_queue,
+)
 from qlm.types import CONTENT_TYPE
 
 log = structlog.get_logger(__name__)
@@ -116,7 +121,9 @@ class Agent:
             await self._conn.close()
         self.log.info("agent_stopped", completed=self.completed)
 
-    async def _publish(self, body: str, *, persistent: bool = False) -> None:
+    async def _publish(self, body: str, *, persistent: bool = False, live: bool = False) -> None:
+        """Completions and goodbyes go to the durable control queue (persistent); heartbeats
+        and pulls (``live``) to the transient one."""
         assert self._pub is not None
         exchange = await self._pub.get_exchange(CONTROL_EXCHANGE, ensure=False)
         await exchange.publish(
@@ -129,7 +136,7 @@ class Agent:
                     else aio_pika.DeliveryMode.NOT_PERSISTENT
                 ),
             ),
-            routing_key=COORDINATOR_ROUTING_KEY,
+            routing_key=LIVE_ROUTING_KEY if live else COORDINATOR_ROUTING_KEY,
         )
 
     # ------------------------------------------------------------------ dispatches
@@ -230,7 +237,8 @@ class Agent:
                                 agent_id=self.agent_id,
                                 instance_id=inst.info.instance_id,
                                 credit=want,
-                            ).model_dump_json()
+                            ).model_dump_json(),
+                            live=True,
                         )
                     except Exception as exc:
                         inst.owed -= want
@@ -261,4 +269,4 @@ class Agent:
                 )
             )
         hb = Heartbeat(agent_id=self.agent_id, sent_at=time.time(), instances=statuses)
-        await self._publish(hb.model_dump_json())
+        await self._publish(hb.model_dump_json(), live=True)

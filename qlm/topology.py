@@ -7,8 +7,10 @@
                       └─► qlm.global.N-1
     qlm.dlx (fanout) ──► qlm.dead          poison, rejected and invalid messages (+ reason headers)
     qlm.control (direct)
-        "coordinator"   ──► qlm.control.coordinator (quorum, SAC): registration, heartbeats,
-                                                    pulls, completions, failures, goodbyes
+        "coordinator"   ──► qlm.control.coordinator (quorum, SAC): completions, failures,
+                                                    goodbyes: what must survive a crash
+        "coordinator.live" ─► qlm.control.live (classic, transient, SAC): heartbeats and
+                                                    pulls, which are worthless once stale
         "agent.<id>"    ──► qlm.agent.<id> (exclusive, auto-delete): dispatches to that agent
     results ──► default exchange, routing key = the request's reply_to
 
@@ -30,6 +32,11 @@ DEAD_LETTER_QUEUE = "qlm.dead"
 CONTROL_EXCHANGE = "qlm.control"
 COORDINATOR_QUEUE = "qlm.control.coordinator"
 COORDINATOR_ROUTING_KEY = "coordinator"
+# Heartbeats and credit are re-sent continuously and rebuilt on re-registration, so they skip
+# the quorum queue: its confirms wait for a disk fsync, which put credit (and so dispatch
+# latency) at the mercy of the disk.
+LIVE_QUEUE = "qlm.control.live"
+LIVE_ROUTING_KEY = "coordinator.live"
 
 # Headers the coordinator adds when it dead-letters a message itself.
 REASON_HEADER = "x-qlm-error-code"
@@ -56,6 +63,7 @@ class Topology:
     shards: list[AbstractQueue]
     dead: AbstractQueue
     coordinator: AbstractQueue
+    live: AbstractQueue
 
 
 async def declare_topology(
@@ -94,7 +102,11 @@ async def declare_topology(
         arguments={"x-queue-type": "quorum", "x-single-active-consumer": True},
     )
     await coordinator.bind(control, routing_key=COORDINATOR_ROUTING_KEY)
-    return Topology(ingress, dlx, control, shard_queues, dead, coordinator)
+    live = await channel.declare_queue(
+        LIVE_QUEUE, durable=False, arguments={"x-single-active-consumer": True}
+    )
+    await live.bind(control, routing_key=LIVE_ROUTING_KEY)
+    return Topology(ingress, dlx, control, shard_queues, dead, coordinator, live)
 
 
 async def declare_agent_queue(channel: AbstractChannel, agent_id: str) -> AbstractQueue:

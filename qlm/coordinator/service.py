@@ -119,8 +119,9 @@ class Coordinator:
         self._topology = await declare_topology(setup, self.shards, self.delivery_limit)
         ctl_ch = await self._conn.channel()
         await ctl_ch.set_qos(prefetch_count=2000)
-        ctl_q = await ctl_ch.get_queue(self._topology.coordinator.name, ensure=False)
-        await ctl_q.consume(self._on_control, no_ack=False)
+        for q in (self._topology.coordinator, self._topology.live):
+            ctl_q = await ctl_ch.get_queue(q.name, ensure=False)
+            await ctl_q.consume(self._on_control, no_ack=False)
         # One channel per shard: prefetch is per consumer, and each holds up to 65,535 unacked.
         for q in self._topology.shards:
             ch = await self._conn.channel()
