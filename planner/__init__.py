@@ -10,6 +10,7 @@ from collections.abc import Callable
 from planner.balancing import RandomPolicy, RoundRobinPolicy
 from planner.baselines import EDFPolicy, FCFSPolicy
 from planner.shepherd import SHEPHERDPolicy
+from planner.stochastic import QLMPolicy
 from qlm.policy import QueuePolicy
 
 POLICIES: dict[str, Callable[[], QueuePolicy]] = {
@@ -18,6 +19,7 @@ POLICIES: dict[str, Callable[[], QueuePolicy]] = {
     "shepherd": SHEPHERDPolicy,
     "round_robin": RoundRobinPolicy,
     "random": RandomPolicy,
+    "qlm": QLMPolicy,
 }
 
 
@@ -32,6 +34,7 @@ __all__ = [
     "POLICIES",
     "EDFPolicy",
     "FCFSPolicy",
+    "QLMPolicy",
     "RandomPolicy",
     "RoundRobinPolicy",
     "SHEPHERDPolicy",
