@@ -103,11 +103,13 @@ async def test_coordinator_on_postgresql(
     isolated_amqp_url: str, isolated_postgres_url: str, tmp_path: Path
 ) -> None:
     reqs = requests(100, "pg", seed=2)
-    async with running_cluster(
-        isolated_amqp_url, tmp_path, TWO_AGENTS, database_url=isolated_postgres_url
+    async with (
+        running_cluster(
+            isolated_amqp_url, tmp_path, TWO_AGENTS, database_url=isolated_postgres_url
+        ),
+        QlmClient(isolated_amqp_url) as client,
     ):
-        async with QlmClient(isolated_amqp_url) as client:
-            replies = await gather_replies([await client.submit(r) for r in reqs], timeout=120)
+        replies = await gather_replies([await client.submit(r) for r in reqs], timeout=120)
     assert sorted(r.request_id for r in replies) == sorted(r.request_id for r in reqs)
     counts = await store_counts(isolated_postgres_url)
     assert counts.get("completed") == 100, counts

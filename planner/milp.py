@@ -1,0 +1,448 @@
+"""The group-level planning model (QLM §7, eqs. 6-13) and its solvers.
+
+:class:`GroupProblem` holds, per request group ``i`` and instance ``g``, the *deterministic
+equivalents* of the chance-constrained times (see ``docs/planner.md``):
+
+* ``dur[i, g]`` — how long the group holds instance ``g`` (occupancy, eq. 2's tokens / Θ), at
+  its Δ-quantile ``μ + z_Δ σ``;
+* ``own[i, g]`` — when the group's last member finishes, counted from the group's start
+  (eq. 5's max over members), at its Δ-quantile;
+* ``switch[g, m]`` — loading model ``m`` on ``g`` (warm from CPU or cold from disk).
+
+A queue's slot ``j`` then completes at ``C_j = base + Σ_{k<j} dur_k + Σ_{k≤j} switch_k + own_j``
+(eq. 10). Summing Δ-quantiles bounds the Δ-quantile of the sum from above (σ of a sum ≤ sum
+of σ's), so ``C_j ≤ slo`` here implies the chance constraint P(C ≤ slo) ≥ Δ of eq. 12 under
+the normal model: a safe, linear deterministic equivalent.
+
+The objective maximises the requests of groups that meet their SLO (weights = group sizes),
+minus a small tardiness term (eq. 13's expected penalty) that orders what cannot be met.
+
+Solvers: :func:`greedy_assign` (EDF over groups with model affinity and swap costs, the
+incumbent), :func:`solve_slots` (the slot MILP in cvxpy/HiGHS, for one queue's head or a whole
+small problem), :func:`solve_exact` (the full MILP, the yardstick for small cases). Every MILP
+answer is decoded, checked to be a valid assignment and re-evaluated with
+:func:`evaluate_queues`; a time-limited solve without a primal solution is discarded.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import structlog
+
+log = structlog.get_logger(__name__)
+
+TARDINESS_WEIGHT = 1e-3  # per second of lateness, per group: far below one met request
+SWITCH_WEIGHT = 1e-3  # per model switch: among equally good plans, fewer switches (affinity)
+
+
+@dataclass
+class GroupProblem:
+    weight: np.ndarray  # (G,) requests per group
+    deadline: np.ndarray  # (G,) seconds from now (np.inf: no SLO)
+    model: np.ndarray  # (G,) model index
+    dur: np.ndarray  # (G, I) Δ-quantile occupancy
+    own: np.ndarray  # (G, I) Δ-quantile own completion from the group's start
+    eligible: np.ndarray  # (G, I) bool
+    base: np.ndarray  # (I,) when each queue can start (work already running)
+    init_model: np.ndarray  # (I,) model index active at the start, -1: unknown (no switch)
+    switch: np.ndarray  # (I, M) seconds to switch to each model
+    priority: np.ndarray | None = None  # (G,) groups placed first (starving), bool
+
+    @property
+    def n_groups(self) -> int:
+        return len(self.weight)
+
+    @property
+    def n_instances(self) -> int:
+        return len(self.base)
+
+    def with_clones(self, template: int, count: int) -> GroupProblem:
+        """The same problem with ``count`` idle copies of instance ``template`` added."""
+        rep = np.full(count, template)
+        return GroupProblem(
+            self.weight,
+            self.deadline,
+            self.model,
+            np.hstack([self.dur, self.dur[:, rep]]),
+            np.hstack([self.own, self.own[:, rep]]),
+            np.hstack([self.eligible, self.eligible[:, rep]]),
+            np.concatenate([self.base, np.zeros(count)]),
+            np.concatenate([self.init_model, np.full(count, -1)]),
+            np.vstack([self.switch, self.switch[rep]]),
+            self.priority,
+        )
+
+
+@dataclass
+class QueueEval:
+    met_weight: float
+    tardiness: float
+    completion: np.ndarray  # (G,) per group, np.nan if unplaced
+    switches: int = 0
+
+    @property
+    def score(self) -> float:
+        return self.met_weight - TARDINESS_WEIGHT * self.tardiness - SWITCH_WEIGHT * self.switches
+
+
+def count_switches(p: GroupProblem, g: int, order: Sequence[int]) -> int:
+    current, n = int(p.init_model[g]), 0
+    for i in order:
+        m = int(p.model[i])
+        n += current != -1 and m != current
+        current = m
+    return n
+
+
+def queue_times(
+    p: GroupProblem, g: int, order: Sequence[int], start: float | None = None
+) -> np.ndarray:
+    """Completion (deterministic equivalent) of each group in ``order`` on instance ``g``."""
+    t = p.base[g] if start is None else start
+    current = int(p.init_model[g])
+    out = np.empty(len(order))
+    for k, i in enumerate(order):
+        m = int(p.model[i])
+        if current != -1 and m != current:
+            t += p.switch[g, m]
+        current = m
+        out[k] = t + p.own[i, g]
+        t += p.dur[i, g]
+    return out
+
+
+def evaluate_queues(p: GroupProblem, queues: Sequence[Sequence[int]]) -> QueueEval:
+    completion = np.full(p.n_groups, np.nan)
+    for g, order in enumerate(queues):
+        if len(order):
+            completion[list(order)] = queue_times(p, g, order)
+    placed = ~np.isnan(completion)
+    met = placed & (completion <= p.deadline)
+    late = np.where(placed, np.maximum(np.nan_to_num(completion) - p.deadline, 0.0), 0.0)
+    late = np.where(np.isfinite(late), late, 0.0)
+    switches = sum(count_switches(p, g, q) for g, q in enumerate(queues))
+    return QueueEval(float(p.weight[met].sum()), float(late.sum()), completion, switches)
+
+
+def _queue_end(p: GroupProblem, g: int, order: Sequence[int]) -> tuple[float, int]:
+    t, current = float(p.base[g]), int(p.init_model[g])
+    for i in order:
+        m = int(p.model[i])
+        if current != -1 and m != current:
+            t += p.switch[g, m]
+        current = m
+        t += p.dur[i, g]
+    return t, current
+
+
+def greedy_assign(p: GroupProblem, *, defer_hopeless: bool = True) -> list[list[int]]:
+    """EDF over groups with model affinity: each group, in deadline order, goes to the eligible
+    queue where it would complete earliest (its switch cost included, so a queue already on
+    its model is preferred). With ``defer_hopeless``, a group that cannot meet its SLO on any
+    queue waits until every group that can has been placed (it would only delay them); starving
+    groups (``priority``) go first regardless."""
+    G, n_inst = p.n_groups, p.n_instances
+    queues: list[list[int]] = [[] for _ in range(n_inst)]
+    if G == 0 or n_inst == 0:
+        return queues
+    t_end = p.base.astype(np.float64).copy()
+    current = p.init_model.astype(np.int64).copy()
+    prio = p.priority if p.priority is not None else np.zeros(G, bool)
+    order = np.lexsort((np.arange(G), p.deadline, ~prio))
+    cols = np.arange(n_inst)
+    deferred: list[int] = []
+
+    def completion(i: int) -> np.ndarray:
+        m = int(p.model[i])
+        sw = np.where((current != -1) & (current != m), p.switch[cols, m], 0.0)
+        return np.where(p.eligible[i], t_end + sw + p.own[i], np.inf)
+
+    def put(i: int, c: np.ndarray) -> None:
+        g = int(np.argmin(c))
+        m = int(p.model[i])
+        if current[g] != -1 and current[g] != m:
+            t_end[g] += p.switch[g, m]
+        current[g] = m
+        t_end[g] += p.dur[i, g]
+        queues[g].append(i)
+
+    for i in order:
+        i = int(i)
+        if not p.eligible[i].any():
+            continue
+        c = completion(i)
+        if defer_hopeless and not prio[i] and not (c <= p.deadline[i]).any():
+            deferred.append(i)
+            continue
+        if not prio[i]:
+            # among queues where it meets its SLO take the earliest; np.argmin breaks ties by index
+            c = np.where(c <= p.deadline[i], c, np.inf) if (c <= p.deadline[i]).any() else c
+        put(i, c)
+    for i in deferred:
+        put(i, completion(i))
+    return queues
+
+
+def _queue_score(p: GroupProblem, g: int, order: Sequence[int]) -> float:
+    if not order:
+        return 0.0
+    c = queue_times(p, g, order)
+    idx = list(order)
+    dl = p.deadline[idx]
+    met = float(p.weight[idx][c <= dl].sum())
+    late = np.maximum(c - dl, 0.0)
+    return (
+        met
+        - TARDINESS_WEIGHT * float(late[np.isfinite(late)].sum())
+        - SWITCH_WEIGHT * count_switches(p, g, order)
+    )
+
+
+def local_search(
+    p: GroupProblem, queues: list[list[int]], *, deadline_s: float, max_groups: int = 400
+) -> list[list[int]]:
+    """Best-improvement relocation: move one group to any position of any eligible queue while
+    that raises the score; stops at a local optimum or at ``deadline_s`` (perf_counter)."""
+    if p.n_groups > max_groups:
+        return queues
+    queues = [list(q) for q in queues]
+    scores = [_queue_score(p, g, q) for g, q in enumerate(queues)]
+    improved = True
+    while improved and time.perf_counter() < deadline_s:
+        improved = False
+        best: tuple[float, int, int, int, int] | None = None
+        for src, q in enumerate(queues):
+            for pos, i in enumerate(q):
+                rest = q[:pos] + q[pos + 1 :]
+                s_src = _queue_score(p, src, rest)
+                for dst_np in np.flatnonzero(p.eligible[i]):
+                    dst = int(dst_np)
+                    target = rest if dst == src else queues[dst]
+                    if dst == src:
+                        old, kept = scores[src], 0.0
+                    else:
+                        old, kept = scores[src] + scores[dst], s_src
+                    for ins in range(len(target) + 1):
+                        if dst == src and ins == pos:
+                            continue
+                        cand = target[:ins] + [i] + target[ins:]
+                        gain = _queue_score(p, dst, cand) + kept - old
+                        if gain > 1e-9 and (best is None or gain > best[0]):
+                            best = (gain, src, pos, dst, ins)
+                if time.perf_counter() > deadline_s:
+                    break
+        if best is not None:
+            _, src, pos, dst, ins = best
+            i = queues[src].pop(pos)
+            queues[dst].insert(ins, i)
+            scores[src] = _queue_score(p, src, queues[src])
+            scores[dst] = _queue_score(p, dst, queues[dst])
+            improved = True
+    return queues
+
+
+def iterated_local_search(
+    p: GroupProblem,
+    queues: list[list[int]],
+    *,
+    deadline_s: float,
+    rounds: int = 40,
+    max_groups: int = 60,
+    seed: int = 0,
+) -> list[list[int]]:
+    """For small problems: perturb the best plan (move a few random groups to random eligible
+    positions, seeded) and descend again; keep strict improvements. Escapes the local optima
+    that one descent stops in (needed to stay within 2 % of the exact MILP on ≤ 20 groups)."""
+    best = local_search(p, queues, deadline_s=deadline_s)
+    if p.n_groups > max_groups or p.n_groups < 2:
+        return best
+    best_score = evaluate_queues(p, best).score
+    rng = np.random.default_rng(seed)
+    for _ in range(rounds):
+        if time.perf_counter() > deadline_s:
+            break
+        cand = [list(q) for q in best]
+        for _ in range(min(3, p.n_groups)):
+            src = [g for g, q in enumerate(cand) if q]
+            g = src[int(rng.integers(len(src)))]
+            i = cand[g].pop(int(rng.integers(len(cand[g]))))
+            dsts = np.flatnonzero(p.eligible[i])
+            d = int(dsts[int(rng.integers(len(dsts)))])
+            cand[d].insert(int(rng.integers(len(cand[d]) + 1)), i)
+        cand = local_search(p, cand, deadline_s=deadline_s)
+        score = evaluate_queues(p, cand).score
+        if score > best_score + 1e-9:
+            best, best_score = cand, score
+    return best
+
+
+# ------------------------------------------------------------------------------- the MILP
+@dataclass
+class MilpResult:
+    queues: list[list[int]] | None  # None: no verified primal solution
+    status: str
+    solve_s: float
+    objective: float | None = None
+
+
+def _solver_kwargs(solver: str, time_limit: float) -> dict[str, object]:
+    if solver == "SCIP":
+        return {"scip_params": {"limits/time": time_limit}}
+    return {"time_limit": time_limit}
+
+
+def solve_slots(
+    p: GroupProblem,
+    groups: Sequence[int],
+    instances: Sequence[int],
+    slots: int,
+    *,
+    start: Sequence[float] | None = None,
+    init_model: Sequence[int] | None = None,
+    time_limit: float = 1.0,
+    solver: str = "HIGHS",
+) -> MilpResult:
+    """The slot formulation (eqs. 6-12 with the deterministic equivalent): place ``groups`` in
+    ``slots`` positions of each of ``instances``. ``start``/``init_model`` override each queue's
+    start time and loaded model (the rolling horizon solves a queue's head after a fixed
+    prefix). Returns verified queues (group indices in order) or ``None``."""
+    import cvxpy as cp
+
+    t0 = time.perf_counter()
+    gi, ins = list(groups), list(instances)
+    n, q = len(gi), len(ins)
+    if n == 0:
+        return MilpResult([[] for _ in ins], "empty", 0.0, 0.0)
+    if n > q * slots:
+        raise ValueError("more groups than slots")
+    models = sorted({int(p.model[i]) for i in gi})
+    mpos = {m: k for k, m in enumerate(models)}
+    base = np.array([p.base[g] for g in ins] if start is None else list(start), dtype=float)
+    init = list(p.init_model[ins]) if init_model is None else list(init_model)
+    dur = p.dur[np.ix_(gi, ins)]
+    own = p.own[np.ix_(gi, ins)]
+    elig = p.eligible[np.ix_(gi, ins)]
+    dl = p.deadline[gi]
+    w = p.weight[gi].astype(float)
+    finite_dur = np.where(elig, dur, 0.0)
+    max_sw = float(p.switch[np.ix_(ins, models)].max()) if models else 0.0
+    horizon = base.max() + finite_dur.max(axis=1).sum() + n * max_sw + np.where(elig, own, 0).max()
+    big_m = float(horizon - min(dl.min(), 0.0) + 1.0) if np.isfinite(dl).any() else horizon + 1.0
+    dl_c = np.where(np.isfinite(dl), dl, big_m)  # no SLO: always met
+
+    K = q * slots
+    x = cp.Variable((n, K), boolean=True)
+    z = cp.Variable((n, K), boolean=True)
+    sw = cp.Variable((len(models), K), nonneg=True)
+    tard = cp.Variable(K, nonneg=True)
+    cons = [cp.sum(x, axis=1) == 1, z <= x]
+    # ineligible slots are forbidden outright
+    forbid = np.repeat(~elig, slots, axis=1)
+    if forbid.any():
+        cons.append(x[forbid] == 0)
+    model_of = np.zeros((len(models), n))
+    for r, i in enumerate(gi):
+        model_of[mpos[int(p.model[i])], r] = 1.0
+    occ = cp.sum(x, axis=0)
+    cons.append(occ <= 1)
+    y = model_of @ x  # (M, K): model in each slot
+    completions = []
+    for a, g in enumerate(ins):
+        ks = list(range(a * slots, (a + 1) * slots))
+        sw_cost = np.array([p.switch[g, m] for m in models])
+        for j, k in enumerate(ks):
+            if j > 0:
+                cons.append(occ[k] <= occ[ks[j - 1]])
+                cons.append(sw[:, k] >= y[:, k] - y[:, ks[j - 1]])
+            elif init[a] != -1:
+                prev = np.array([1.0 if m == init[a] else 0.0 for m in models])
+                cons.append(sw[:, k] >= y[:, k] - prev)
+        step = dur[:, a] @ x[:, ks] + sw_cost @ sw[:, ks]  # (slots,) time each slot uses
+        cum = cp.cumsum(step)
+        c = base[a] + cum + (own[:, a] - dur[:, a]) @ x[:, ks]
+        completions.append(c)
+        for j, k in enumerate(ks):
+            cons.append(c[j] <= dl_c + big_m * (1 - z[:, k]))
+            cons.append(tard[k] >= c[j] - dl_c @ x[:, k] - big_m * (1 - occ[k]))
+    objective = cp.Maximize(
+        w @ cp.sum(z, axis=1) - TARDINESS_WEIGHT * cp.sum(tard) - SWITCH_WEIGHT * cp.sum(sw)
+    )
+    prob = cp.Problem(objective, cons)
+    status = "error"
+    try:
+        with warnings.catch_warnings():
+            # "solution may be inaccurate" at a time limit: we verify the answer ourselves
+            warnings.simplefilter("ignore", UserWarning)
+            prob.solve(solver=solver, **_solver_kwargs(solver, time_limit))
+        status = str(prob.status)
+    except Exception as exc:  # SolverError without an incumbent (SCIPY/SCIP), numeric trouble
+        log.info("milp_solver_failed", error=str(exc)[:200])
+        return MilpResult(None, "solver_error", time.perf_counter() - t0)
+    extra = getattr(prob.solver_stats, "extra_stats", None)
+    primal = _primal_status(extra)
+    if x.value is None or primal is False:
+        return MilpResult(None, f"{status}:no_primal", time.perf_counter() - t0)
+    queues = _decode(x.value, gi, q, slots, elig)
+    if queues is None:  # e.g. the bogus all-zero "solution" at a time limit
+        return MilpResult(None, f"{status}:infeasible_decode", time.perf_counter() - t0)
+    return MilpResult(queues, status, time.perf_counter() - t0, prob.value)
+
+
+def _primal_status(extra: object) -> bool | None:
+    """True/False when HiGHS says whether it holds a feasible primal solution (2 = feasible);
+    None when the solver gives no such field (then :func:`_decode` checks feasibility)."""
+    status = None
+    if extra is not None:
+        status = getattr(extra, "primal_solution_status", None)
+        if status is None and isinstance(extra, dict):
+            status = extra.get("primal_solution_status")
+        if status is None:
+            info = getattr(extra, "getInfo", None)
+            if callable(info):
+                status = getattr(info(), "primal_solution_status", None)
+    if status is None:
+        return None
+    return int(status) == 2
+
+
+def _decode(
+    xv: np.ndarray, gi: list[int], q: int, slots: int, elig: np.ndarray
+) -> list[list[int]] | None:
+    xr = np.rint(np.asarray(xv))
+    if not np.allclose(xr.sum(axis=1), 1) or (xr.sum(axis=0) > 1).any():
+        return None
+    queues: list[list[int]] = []
+    for a in range(q):
+        block = xr[:, a * slots : (a + 1) * slots]
+        order = []
+        for j in range(slots):
+            rows = np.flatnonzero(block[:, j] > 0.5)
+            if len(rows):
+                r = int(rows[0])
+                if not elig[r, a]:
+                    return None
+                order.append(gi[r])
+        queues.append(order)
+    return queues
+
+
+def solve_exact(
+    p: GroupProblem, *, time_limit: float = 120.0, slots: int | None = None, solver: str = "HIGHS"
+) -> MilpResult:
+    """The whole problem as one MILP: the yardstick for small cases (≤ ~20 groups). Slots per
+    queue default to the group count (any queue may hold everything)."""
+    L = p.n_groups if slots is None else slots
+    return solve_slots(
+        p,
+        range(p.n_groups),
+        range(p.n_instances),
+        max(L, math.ceil(p.n_groups / max(p.n_instances, 1))),
+        time_limit=time_limit,
+        solver=solver,
+    )

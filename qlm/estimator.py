@@ -1,0 +1,400 @@
+"""Request completion time (RCT) estimator, QLM §6 (eqs. 1-5).
+
+Two parts, both vectorised with numpy so the planner can price 100k queued requests at once:
+
+* :class:`HardwareProfile` — per (GPU type, model, instance shape) the constants of §6, derived
+  from :mod:`qlm.engine_model`: prefill time ``P`` (affine in prompt tokens), decode time per
+  token ``d`` (one iteration at batch 1), inefficiency ``ε`` (an iteration at the typical
+  continuous batch over one at batch 1), token throughput ``Θ`` (typical batch / iteration),
+  prefill throughput ``Π``, KV capacity, model load times (cold from disk, warm from CPU), and
+  the per-token KV transfer and recompute times that decide eviction vs swap (Insight #2).
+  Profiles are validated: a NaN, infinite or negative value is a ``ValueError`` at load.
+* :class:`OutputLengthModel` — workload profiling: per (model, SLO class) an output-length
+  distribution, a prior from a shipped length table mixed with the completions observed online
+  (:meth:`OutputLengthModel.observe`), always truncated at each request's ``max_tokens``.
+
+The estimator itself (:class:`RCTEstimator`) turns these into distributions:
+
+    W = (tokens ahead) / Θ                         (eq. 2, prompt tokens priced at 1/Π)
+    O ~ N(μ_o, σ_o²)                               (eq. 3)
+    D = O · ε · d                                  (eq. 4)
+    C_q = W + P + D                                (eq. 1)
+    C_group = max over the group's members of C_q  (eq. 5)
+
+The max of ``n`` i.i.d. normals is summarised by its mean (Blom's approximation of the top
+order statistic) and variance (exact for n = 1, the Gumbel limit ``π²/(12 ln n)`` otherwise), and
+its quantile ``q`` is the single-request quantile at ``q^(1/n)``. ``docs/planner.md`` maps every
+symbol to the paper.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from functools import lru_cache
+
+import numpy as np
+from scipy.special import ndtri
+from scipy.stats import norm
+
+from qlm.engine_model import EngineProfile, InsufficientMemoryError, get_profile
+
+FALLBACK_GPU = "A100-80GB"
+FALLBACK_MODEL = "mistral-7b"
+PRIOR_TABLES = ("sharegpt", "arxiv", "azure-conv", "azure-code", "max_tokens")
+
+
+@lru_cache(maxsize=256)
+def engine_profile(gpu_type: str, model: str) -> EngineProfile:
+    """The engine profile of ``model`` on ``gpu_type``. Names the catalog does not know (unit
+    tests use made-up ones) are timed as ``FALLBACK_MODEL`` on ``FALLBACK_GPU`` — the same rule
+    as :mod:`planner.evaluate`, so the two never disagree on what an unknown name costs."""
+    for g, m in ((gpu_type, model), (gpu_type, FALLBACK_MODEL), (FALLBACK_GPU, FALLBACK_MODEL)):
+        try:
+            return get_profile(g, m)
+        except (KeyError, InsufficientMemoryError):
+            continue
+    raise AssertionError("the fallback profile always exists")  # pragma: no cover
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    """The §6 hardware constants of one model on one instance shape (all seconds or tokens)."""
+
+    gpu_type: str
+    model: str
+    batch: int  # typical continuous batch (sequences) the constants were taken at
+    prefill_fixed_s: float  # P(n) = prefill_fixed_s + prefill_s_per_token * n
+    prefill_s_per_token: float
+    decode_token_s: float  # d: one decode iteration at batch 1
+    inefficiency: float  # ε: iteration at the typical batch / iteration at batch 1 (>= 1)
+    throughput_tps: float  # Θ: output tokens per second at the typical batch
+    prefill_tps: float  # Π: prompt tokens per second with full chunked-prefill iterations
+    kv_capacity_tokens: int
+    load_cold_s: float  # disk -> CPU -> GPU
+    load_warm_s: float  # CPU -> GPU
+    kv_transfer_s_per_token: float  # GPU <-> CPU, one direction
+    recompute_s_per_token: float  # rebuilding evicted KV by prefill
+    kv_bytes_per_token: float
+    weight_bytes: float
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, str):
+                continue
+            if not math.isfinite(value) or value < 0:
+                raise ValueError(
+                    f"hardware profile {self.model}@{self.gpu_type}: {f.name}={value!r} "
+                    "must be a finite number >= 0"
+                )
+        if self.throughput_tps <= 0 or self.prefill_tps <= 0 or self.batch < 1:
+            raise ValueError(
+                f"hardware profile {self.model}@{self.gpu_type}: throughputs and batch must be > 0"
+            )
+
+    @property
+    def token_time_s(self) -> float:
+        """ε·d: seconds per output token of one request inside the typical batch (eq. 4)."""
+        return self.inefficiency * self.decode_token_s
+
+    def prefill_s(self, prompt_tokens: np.ndarray | float) -> np.ndarray | float:
+        return self.prefill_fixed_s + self.prefill_s_per_token * prompt_tokens
+
+    def switch_in_s(self, warm: bool) -> float:
+        return self.load_warm_s if warm else self.load_cold_s
+
+    def preemption_mode(self, context_tokens: int, cpu_free_bytes: float | None) -> str:
+        """Insight #2: swap the KV to CPU when moving it out and back is cheaper than a
+        recompute and the host has room for it; evict (recompute later) otherwise."""
+        swap_s = 2 * self.kv_transfer_s_per_token * context_tokens
+        recompute_s = self.recompute_s_per_token * context_tokens
+        fits = cpu_free_bytes is None or cpu_free_bytes >= self.kv_bytes_per_token * context_tokens
+        return "swap" if fits and swap_s < recompute_s else "evict"
+
+
+def typical_batch(profile: EngineProfile, kv_capacity: int, max_batch: int, ctx: int) -> int:
+    return max(1, min(max_batch, profile.max_batch_size, kv_capacity // max(ctx, 1)))
+
+
+@lru_cache(maxsize=4096)
+def hardware_profile(
+    gpu_type: str, model: str, kv_capacity: int, max_batch: int, ctx: int
+) -> HardwareProfile:
+    """Derive the §6 constants from the engine model at a typical batch of ``ctx``-token
+    sequences (``ctx`` = mean prompt + half the mean output, as a sequence is on average half
+    way through its decode)."""
+    ep = engine_profile(gpu_type, model)
+    kv = kv_capacity if kv_capacity > 0 else ep.kv_capacity_tokens
+    b = typical_batch(ep, kv, max_batch, ctx)
+    it1 = ep.decode_iteration_time(1, ctx)
+    itb = ep.decode_iteration_time(b, ctx)
+    p_small, p_big = ep.prefill_time(1), ep.prefill_time(ep.max_num_batched_tokens)
+    per_token = (p_big - p_small) / max(ep.max_num_batched_tokens - 1, 1)
+    return HardwareProfile(
+        gpu_type=gpu_type,
+        model=model,
+        batch=b,
+        prefill_fixed_s=max(p_small - per_token, 0.0),
+        prefill_s_per_token=per_token,
+        decode_token_s=it1,
+        inefficiency=itb / it1,
+        throughput_tps=b / itb,
+        prefill_tps=ep.max_num_batched_tokens / p_big,
+        kv_capacity_tokens=kv,
+        load_cold_s=ep.load_time_from_disk(),
+        load_warm_s=ep.load_time_from_cpu(),
+        kv_transfer_s_per_token=ep.kv_transfer_time(1),
+        recompute_s_per_token=ep.recompute_time(ctx) / max(ctx, 1),
+        kv_bytes_per_token=float(ep.kv_bytes_per_token),
+        weight_bytes=float(ep.model.weight_bytes),
+    )
+
+
+def bucket_ctx(ctx: float) -> int:
+    """Round a context length to 1/8-octave buckets so profiles are cached and shared."""
+    if ctx <= 16:
+        return max(1, round(ctx))
+    step = 2 ** max(0, math.floor(math.log2(ctx)) - 3)
+    return int(round(ctx / step) * step)
+
+
+# ------------------------------------------------------------------ output-length model
+def _prior_sample(table: str) -> np.ndarray:
+    if table == "max_tokens":
+        return np.empty(0)
+    from qlm.trace import load_azure_trace, load_request_lengths
+
+    if table in ("sharegpt", "arxiv"):
+        outs = [o for _, o in load_request_lengths(table)]  # type: ignore[arg-type]
+    elif table in ("azure-conv", "azure-code"):
+        outs = [r.output_tokens for r in load_azure_trace(table.split("-")[1])]  # type: ignore[arg-type]
+    else:
+        raise ValueError(f"unknown output-length prior {table!r}; choose from {PRIOR_TABLES}")
+    return np.sort(np.maximum(np.asarray(outs, dtype=np.float64), 1.0))
+
+
+@lru_cache(maxsize=8)
+def prior_sample(table: str) -> np.ndarray:
+    return _prior_sample(table)
+
+
+class _Sample:
+    """A sorted sample with prefix sums: truncated moments E[min(O,m)], E[min(O,m)²] for many m
+    at once by binary search."""
+
+    def __init__(self, values: np.ndarray) -> None:
+        self.values = np.sort(values.astype(np.float64))
+        self.cum = np.concatenate(([0.0], np.cumsum(self.values)))
+        self.cum2 = np.concatenate(([0.0], np.cumsum(self.values**2)))
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+    def truncated_moments(self, cap: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        n = len(self.values)
+        k = np.searchsorted(self.values, cap, side="left")  # values below the cap
+        m1 = (self.cum[k] + cap * (n - k)) / n
+        m2 = (self.cum2[k] + cap**2 * (n - k)) / n
+        return m1, m2
+
+
+class OutputLengthModel:
+    """Output tokens per (model, SLO class): a prior sample mixed with observed completions.
+
+    The mixture weight of history is ``n / (n + prior_weight)`` (empirical Bayes with the
+    prior worth ``prior_weight`` observations); history keeps the last ``history_limit``
+    completions per key. Every prediction is truncated at the request's ``max_tokens`` (the
+    engine stops there) and floored at 1.
+    """
+
+    def __init__(
+        self, prior: str = "sharegpt", *, prior_weight: float = 32.0, history_limit: int = 4096
+    ) -> None:
+        if prior not in PRIOR_TABLES:
+            raise ValueError(f"unknown output-length prior {prior!r}; choose from {PRIOR_TABLES}")
+        if prior_weight < 0 or history_limit < 1:
+            raise ValueError("prior_weight must be >= 0 and history_limit >= 1")
+        self.prior = prior
+        self.prior_weight = prior_weight
+        self.history_limit = history_limit
+        self._history: dict[tuple[str, str | None], list[float]] = {}
+        self._samples: dict[tuple[str, str | None], _Sample] = {}
+        self._prior: _Sample | None = None
+
+    def observe(self, model: str, slo_class: str | None, output_tokens: int) -> None:
+        if output_tokens < 0:
+            raise ValueError("output_tokens must be >= 0")
+        key = (model, slo_class)
+        hist = self._history.setdefault(key, [])
+        hist.append(float(max(output_tokens, 1)))
+        if len(hist) > self.history_limit:
+            del hist[: len(hist) - self.history_limit]
+        self._samples.pop(key, None)  # rebuilt lazily at the next prediction
+
+    def history_size(self, model: str, slo_class: str | None) -> int:
+        return len(self._history.get((model, slo_class), ()))
+
+    def _prior_sample(self) -> _Sample | None:
+        if self.prior == "max_tokens":
+            return None
+        if self._prior is None:
+            self._prior = _Sample(prior_sample(self.prior))
+        return self._prior
+
+    def predict(
+        self, model: str, slo_class: str | None, max_tokens: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """(mean, variance) of the output tokens of requests of one key, per ``max_tokens``."""
+        cap = np.maximum(np.asarray(max_tokens, dtype=np.float64), 1.0)
+        key = (model, slo_class)
+        hist = self._history.get(key)
+        n_hist = len(hist) if hist else 0
+        prior = self._prior_sample()
+        if prior is None:  # "max_tokens": the worst case the client allowed
+            p1, p2 = cap, cap**2
+        else:
+            p1, p2 = prior.truncated_moments(cap)
+        if n_hist:
+            sample = self._samples.get(key)
+            if sample is None:
+                sample = self._samples[key] = _Sample(np.asarray(hist))
+            h1, h2 = sample.truncated_moments(cap)
+            w = n_hist / (n_hist + self.prior_weight)
+            m1, m2 = w * h1 + (1 - w) * p1, w * h2 + (1 - w) * p2
+        else:
+            m1, m2 = p1, p2
+        return m1, np.maximum(m2 - m1**2, 0.0)
+
+
+# ------------------------------------------------------------------ the max of n (eq. 5)
+# Exact variance of the max of n i.i.d. N(0, 1), n = 1..10 (tables of normal order statistics).
+_MAX_VAR_SMALL_N = np.array(
+    [1.0, 0.6817, 0.5595, 0.4917, 0.4475, 0.4159, 0.3919, 0.3729, 0.3574, 0.3443]
+)
+
+
+def max_normal_moments(n: np.ndarray | int) -> tuple[np.ndarray, np.ndarray]:
+    """(E, Var) of the largest of ``n`` i.i.d. standard normals: Blom's approximation of the
+    mean, Φ⁻¹((n − 0.375)/(n + 0.25)); the variance from the exact table up to n = 10 and the
+    Gumbel limit π²/(12 ln n) above."""
+    n = np.maximum(np.asarray(n, dtype=np.float64), 1.0)
+    mean = ndtri((n - 0.375) / (n + 0.25))
+    mean = np.where(n <= 1, 0.0, mean)
+    with np.errstate(divide="ignore"):
+        gumbel = np.minimum(1.0, math.pi**2 / (12 * np.log(n)))
+    small = np.interp(n, np.arange(1, 11), _MAX_VAR_SMALL_N)
+    return mean, np.where(n <= 10, small, gumbel)
+
+
+def max_normal_quantile(q: float, n: np.ndarray | int) -> np.ndarray:
+    """The q-quantile of the max of ``n`` i.i.d. standard normals: P(max ≤ t) = Φ(t)^n, so
+    t = Φ⁻¹(q^(1/n))."""
+    n = np.maximum(np.asarray(n, dtype=np.float64), 1.0)
+    return ndtri(q ** (1.0 / n))
+
+
+@dataclass(frozen=True)
+class TimeDistribution:
+    """Normal summary of a time (seconds from ``now``) and its quantiles."""
+
+    mean: float
+    var: float
+
+    @property
+    def std(self) -> float:
+        return math.sqrt(self.var)
+
+    def quantile(self, q: float) -> float:
+        return self.mean + float(norm.ppf(q)) * self.std
+
+
+@dataclass(frozen=True)
+class GroupEstimate:
+    waiting: TimeDistribution  # W of the group's first request (eq. 2)
+    completion: TimeDistribution  # C of the group (eq. 5)
+    completion_quantiles: dict[float, float]
+
+
+class RCTEstimator:
+    """Waiting and completion time distributions of request groups on instances (§6)."""
+
+    def __init__(self, lengths: OutputLengthModel | None = None) -> None:
+        self.lengths = lengths or OutputLengthModel()
+
+    @staticmethod
+    def profile(
+        gpu_type: str, model: str, kv_capacity: int, max_batch: int, ctx: float
+    ) -> HardwareProfile:
+        return hardware_profile(gpu_type, model, kv_capacity, max_batch, bucket_ctx(ctx))
+
+    @staticmethod
+    def group_moments_array(
+        hw: HardwareProfile,
+        n: np.ndarray,
+        prompt_sum: np.ndarray,
+        out_mean_sum: np.ndarray,
+        out_var_sum: np.ndarray,
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(occupancy mean, occupancy var, own-completion mean, own-completion var) of groups of
+        ``n`` requests once they start, for many groups at once. Occupancy is how long a group
+        holds the instance's batched capacity (what it adds to everyone behind it, eq. 2); own
+        completion is when its last member finishes (eq. 5): the last ``min(n, batch)`` members
+        start together after the others' occupancy, and the group ends with the longest of
+        them, prefill + O·ε·d (eqs. 1, 4)."""
+        n = np.maximum(np.asarray(n, dtype=np.float64), 1.0)
+        occ_mean = prompt_sum / hw.prefill_tps + out_mean_sum / hw.throughput_tps
+        occ_var = out_var_sum / hw.throughput_tps**2
+        n_eff = np.minimum(n, hw.batch)
+        ahead = (n - n_eff) / n
+        mu, sd = out_mean_sum / n, np.sqrt(out_var_sum / n)
+        e_max, v_max = max_normal_moments(n_eff)
+        own_mean = (
+            ahead * occ_mean + hw.prefill_s(prompt_sum / n) + hw.token_time_s * (mu + sd * e_max)
+        )
+        own_var = ahead * ahead * occ_var + (hw.token_time_s * sd) ** 2 * v_max
+        return occ_mean, occ_var, own_mean, own_var
+
+    @classmethod
+    def group_moments(
+        cls,
+        hw: HardwareProfile,
+        n: int,
+        prompt_sum: float,
+        out_mean_sum: float,
+        out_var_sum: float,
+    ) -> tuple[float, float, float, float]:
+        """Scalar :meth:`group_moments_array` (all zero for an empty group)."""
+        if n <= 0:
+            return 0.0, 0.0, 0.0, 0.0
+        a = cls.group_moments_array(
+            hw,
+            np.array([n]),
+            np.array([prompt_sum]),
+            np.array([out_mean_sum]),
+            np.array([out_var_sum]),
+        )
+        return tuple(float(x[0]) for x in a)  # type: ignore[return-value]
+
+    def estimate_group(
+        self,
+        hw: HardwareProfile,
+        *,
+        n: int,
+        prompt_sum: float,
+        out_mean_sum: float,
+        out_var_sum: float,
+        ahead_tokens_mean: float,
+        ahead_tokens_var: float,
+        switch_s: float = 0.0,
+        quantiles: Sequence[float] = (0.5, 0.9, 0.95, 0.99),
+    ) -> GroupEstimate:
+        """A group at a queue position with ``ahead_tokens_*`` output tokens before it."""
+        w = TimeDistribution(
+            ahead_tokens_mean / hw.throughput_tps + switch_s,
+            ahead_tokens_var / hw.throughput_tps**2,
+        )
+        _, _, own_mean, own_var = self.group_moments(hw, n, prompt_sum, out_mean_sum, out_var_sum)
+        c = TimeDistribution(w.mean + own_mean, w.var + own_var)
+        return GroupEstimate(w, c, {q: c.quantile(q) for q in quantiles})

@@ -1,0 +1,147 @@
+"""RCT estimator (§6): the equations against hand calculations, the max of n, validation."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from qlm.engine_model import get_profile
+from qlm.estimator import (
+    HardwareProfile,
+    OutputLengthModel,
+    RCTEstimator,
+    hardware_profile,
+    max_normal_moments,
+    max_normal_quantile,
+)
+
+HW = hardware_profile("A100-80GB", "mistral-7b", 400_000, 256, 512)
+
+
+def test_profile_follows_the_engine_model() -> None:
+    ep = get_profile("A100-80GB", "mistral-7b")
+    assert HW.decode_token_s == pytest.approx(ep.decode_iteration_time(1, 512))
+    assert HW.token_time_s == pytest.approx(ep.decode_iteration_time(HW.batch, 512))
+    assert HW.throughput_tps == pytest.approx(ep.token_throughput(HW.batch, 512))
+    assert HW.inefficiency >= 1.0
+    assert HW.load_cold_s == pytest.approx(ep.load_time_from_disk())
+    assert HW.load_warm_s == pytest.approx(ep.load_time_from_cpu())
+    assert HW.load_warm_s < HW.load_cold_s
+    assert HW.prefill_s(ep.max_num_batched_tokens) == pytest.approx(
+        ep.prefill_time(ep.max_num_batched_tokens)
+    )
+
+
+@pytest.mark.parametrize("field", ["throughput_tps", "load_cold_s", "decode_token_s"])
+@pytest.mark.parametrize("bad", [float("nan"), -1.0, float("inf")])
+def test_bad_profile_values_are_rejected(field: str, bad: float) -> None:
+    with pytest.raises(ValueError, match=field):
+        dataclasses.replace(HW, **{field: bad})
+
+
+def test_single_request_hand_calculation() -> None:
+    """n = 1: occupancy = prompt/Π + μ/Θ (eq. 2); completion = P + μ·ε·d (eqs. 1, 4)."""
+    occ_m, occ_v, own_m, own_v = RCTEstimator.group_moments(HW, 1, 200, 100, 400)
+    assert occ_m == pytest.approx(200 / HW.prefill_tps + 100 / HW.throughput_tps)
+    assert occ_v == pytest.approx(400 / HW.throughput_tps**2)
+    assert own_m == pytest.approx(
+        HW.prefill_fixed_s + 200 * HW.prefill_s_per_token + 100 * HW.token_time_s
+    )
+    assert own_v == pytest.approx((HW.token_time_s * 20) ** 2)
+    est = RCTEstimator().estimate_group(
+        HW,
+        n=1,
+        prompt_sum=200,
+        out_mean_sum=100,
+        out_var_sum=400,
+        ahead_tokens_mean=1000,
+        ahead_tokens_var=0,
+        switch_s=2.0,
+    )
+    assert est.waiting.mean == pytest.approx(1000 / HW.throughput_tps + 2.0)
+    assert est.completion.mean == pytest.approx(est.waiting.mean + own_m)
+    assert est.completion_quantiles[0.5] == pytest.approx(est.completion.mean)
+    assert est.completion_quantiles[0.9] > est.completion.mean
+
+
+def test_max_of_n_known_values_and_monotone() -> None:
+    mean, var = max_normal_moments(np.array([1, 2, 10, 1000]))
+    assert mean[0] == 0 and var[0] == 1
+    assert mean[1] == pytest.approx(0.564, abs=0.05)  # E[max of 2 N(0,1)] = 1/sqrt(pi)
+    assert mean[2] == pytest.approx(1.539, abs=0.02)
+    assert np.all(np.diff(mean) > 0) and np.all(np.diff(var) < 0)
+    q = max_normal_quantile(0.9, np.array([1, 2, 10, 100]))
+    assert q[0] == pytest.approx(1.2816, abs=1e-3) and np.all(np.diff(q) > 0)
+
+
+@settings(max_examples=50, deadline=None)
+@given(n=st.integers(1, 2000), mu=st.floats(1, 2000), cv=st.floats(0, 2), ahead=st.floats(0, 1e6))
+def test_group_completion_is_the_max_not_the_mean(
+    n: int, mu: float, cv: float, ahead: float
+) -> None:
+    """A group finishes no earlier than one of its members alone, and later behind more work."""
+    var = (cv * mu) ** 2
+    est = RCTEstimator()
+    one = est.estimate_group(
+        HW,
+        n=1,
+        prompt_sum=100,
+        out_mean_sum=mu,
+        out_var_sum=var,
+        ahead_tokens_mean=ahead,
+        ahead_tokens_var=0,
+    )
+    grp = est.estimate_group(
+        HW,
+        n=n,
+        prompt_sum=100 * n,
+        out_mean_sum=mu * n,
+        out_var_sum=var * n,
+        ahead_tokens_mean=ahead,
+        ahead_tokens_var=0,
+    )
+    later = est.estimate_group(
+        HW,
+        n=n,
+        prompt_sum=100 * n,
+        out_mean_sum=mu * n,
+        out_var_sum=var * n,
+        ahead_tokens_mean=ahead + 500,
+        ahead_tokens_var=0,
+    )
+    assert grp.completion.mean >= one.completion.mean - 1e-9
+    assert later.completion.mean > grp.completion.mean
+    assert grp.completion_quantiles[0.99] >= grp.completion_quantiles[0.5]
+
+
+def test_output_lengths_prior_truncation_and_online_update() -> None:
+    m = OutputLengthModel("sharegpt", prior_weight=10)
+    mean, var = m.predict("x", None, np.array([1, 50, 100_000]))
+    assert mean[0] == 1 and var[0] == 0  # max_tokens=1 leaves no doubt
+    assert mean[1] <= 50 and mean[2] > mean[1] and var[2] > 0
+    for _ in range(1000):
+        m.observe("x", "chat", 7)
+    learned, lvar = m.predict("x", "chat", np.array([100_000]))
+    assert learned[0] < 0.05 * mean[2] + 7 and m.history_size("x", "chat") == 1000
+    assert m.predict("x", "other", np.array([100_000]))[0][0] == pytest.approx(mean[2])
+    worst = OutputLengthModel("max_tokens").predict("x", None, np.array([300]))
+    assert worst[0][0] == 300 and worst[1][0] == 0
+    with pytest.raises(ValueError):
+        OutputLengthModel("nope")
+    with pytest.raises(ValueError):
+        m.observe("x", None, -1)
+
+
+def test_preemption_mode_follows_insight_2() -> None:
+    assert HW.preemption_mode(2000, None) in {"swap", "evict"}
+    assert HW.preemption_mode(2000, cpu_free_bytes=0.0) == "evict"
+    slow_link = dataclasses.replace(HW, kv_transfer_s_per_token=1.0)
+    assert slow_link.preemption_mode(2000, None) == "evict"
+    fast_link = dataclasses.replace(HW, kv_transfer_s_per_token=0.0)
+    assert fast_link.preemption_mode(2000, None) == "swap"
+    assert isinstance(HW, HardwareProfile) and math.isfinite(HW.recompute_s_per_token)
