@@ -53,6 +53,10 @@ class AdminBackend(Protocol):
 
     async def replan(self) -> dict[str, Any]: ...
 
+    def latest_plan(self) -> dict[str, Any] | None:
+        """The last plan's summary: policy, feasibility, scale-up advice, LSO decisions."""
+        ...
+
     async def drain(self, instance_id: str) -> dict[str, Any]:
         """Stop dispatching to the instance and move its queue away; KeyError if unknown."""
         ...
@@ -137,6 +141,22 @@ class PlanResponse(_Open):
     duration_s: float
     n_requests: int
     n_instances: int
+
+
+class PlanSummary(_Open):
+    plan_id: str
+    policy: str
+    created_at: float
+    n_requests: int
+    queues: dict[str, int] = Field(description="virtual queue lengths in the plan")
+    feasible: bool | None = Field(default=None, description="every SLO predicted met")
+    predicted_attainment: float | None = None
+    scale_up: dict[str, Any] | None = Field(
+        default=None, description="GPUs to add when no plan meets the SLOs (qlm policy)"
+    )
+    lso: dict[str, Any] | None = Field(
+        default=None, description="per instance: active/warm/cold models, evict or swap"
+    )
 
 
 class DrainResponse(_Open):
@@ -363,6 +383,18 @@ def create_admin_app(
     async def replan() -> dict[str, Any]:
         plan = await backend.replan()
         log.info("admin_replan", plan_id=plan.get("plan_id"))
+        return plan
+
+    @v1.get(
+        "/plan",
+        response_model=PlanSummary,
+        responses={404: {"model": ErrorResponse, "description": "no plan made yet"}},
+        tags=["inspect"],
+    )
+    async def latest_plan() -> dict[str, Any]:
+        plan = backend.latest_plan()
+        if plan is None:
+            raise _ApiError(404, "no_plan", "no replan has run yet")
         return plan
 
     @v1.post(

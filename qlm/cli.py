@@ -49,7 +49,12 @@ async def _wait_for_signal() -> None:
 
 @app.command()
 def coordinator(
-    policy: Annotated[str | None, typer.Option(help="fcfs | edf (default: QLM_POLICY)")] = None,
+    policy: Annotated[
+        str | None,
+        typer.Option(
+            help="qlm | edf | fcfs | shepherd | round_robin | random (default: QLM_POLICY, qlm)"
+        ),
+    ] = None,
     shards: Annotated[int | None, typer.Option(help="global queue shards (QLM_SHARDS)")] = None,
     admin_port: Annotated[int | None, typer.Option(help="admin API port (QLM_ADMIN_PORT)")] = None,
 ) -> None:
@@ -195,7 +200,9 @@ def submit(
 def demo(
     json_out: Annotated[Path | None, typer.Option("--json", help="also write results here")] = None,
     duration: Annotated[float, typer.Option(help="seconds of trace to replay")] = 120.0,
-    policy: Annotated[str, typer.Option(help="ordering policy")] = "edf",
+    policy: Annotated[
+        str, typer.Option(help="ordering policy (qlm, edf, fcfs, shepherd, round_robin, random)")
+    ] = "qlm",
     trace_start: Annotated[float, typer.Option(help="offset into the trace (s)")] = 0.0,
 ) -> None:
     """Local broker + coordinator + two simulated A100 agents + a real Azure trace slice."""

@@ -23,7 +23,7 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(default=1_048_576, ge=1024)
     heartbeat_interval_s: float = 0.5
     heartbeat_timeout_s: float = 3.0
-    policy: str = "edf"
+    policy: str = "qlm"  # the stochastic planner; fcfs, edf, shepherd, ... also registered
     models_file: str | None = None
     log_level: str = "info"
     log_format: str = Field(default="json", pattern="^(json|console)$")

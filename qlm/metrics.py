@@ -9,6 +9,7 @@ locked update inside ``prometheus_client``.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
@@ -127,6 +128,13 @@ class CoordinatorMetrics:
             "Broker deliveries held unacked by this coordinator",
             registry=r,
         )
+        self._scale_up = Gauge(
+            f"{namespace}_scale_up_recommended_instances",
+            "Instances to add so the plan meets the SLOs (0 when it already does), by GPU type",
+            ["gpu_type"],
+            registry=r,
+        )
+        self._scale_up_types: set[str] = set()
         # Label children are cached: ``labels()`` takes a lock and builds a tuple each call.
         self._depth_children: dict[str, Gauge] = {}
         self._state_children: dict[str, Gauge] = {}
@@ -168,6 +176,15 @@ class CoordinatorMetrics:
 
     def set_unacked(self, n: int) -> None:
         self._unacked.set(n)
+
+    def set_scale_up(self, recommendation: Mapping[str, Any]) -> None:
+        """The planner's advice (``{"gpu_type": ..., "count": ...}``); empty clears it."""
+        for gpu_type in self._scale_up_types:  # reset every GPU type advised before
+            self._scale_up.labels(gpu_type=gpu_type).set(0)
+        if recommendation.get("gpu_type"):
+            gpu_type = str(recommendation["gpu_type"])
+            self._scale_up_types.add(gpu_type)
+            self._scale_up.labels(gpu_type=gpu_type).set(float(recommendation.get("count", 0)))
 
     # ---- counters -----------------------------------------------------------------------
 

@@ -115,6 +115,18 @@ class MemoryBackend:
         self.plans.append(plan)
         return plan
 
+    def latest_plan(self) -> dict[str, Any] | None:
+        if not self.plans:
+            return None
+        last = self.plans[-1]
+        return {
+            "plan_id": last["plan_id"],
+            "policy": last["policy"],
+            "created_at": 0.0,
+            "n_requests": last["n_requests"],
+            "queues": {iid: len(q) for iid, q in self.queues.items() if iid is not None},
+        }
+
     async def drain(self, instance_id: str) -> dict[str, Any]:
         inst = self.instances[instance_id]  # KeyError for an unknown instance
         inst["status"] = "draining"
@@ -493,6 +505,7 @@ async def test_openapi_documents_paths_models_and_security(client: httpx.AsyncCl
         "/v1/queues",
         "/v1/requests/{request_id}",
         "/v1/replan",
+        "/v1/plan",
         "/v1/instances/{instance_id}/drain",
     }
     schemas = doc["components"]["schemas"]
@@ -536,3 +549,15 @@ async def test_serve_admin_on_port_zero_over_real_http(
     with pytest.raises(httpx.ConnectError):
         async with httpx.AsyncClient() as c:
             await c.get(f"http://127.0.0.1:{server.port}/healthz")
+
+
+async def test_latest_plan_is_404_before_a_replan_and_summarised_after(
+    client: httpx.AsyncClient,
+) -> None:
+    headers = {"Authorization": f"Bearer {ADMIN}"}
+    r = await client.get("/v1/plan", headers=headers)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "no_plan"
+    plan_id = (await client.post("/v1/replan", headers=headers)).json()["plan_id"]
+    r = await client.get("/v1/plan", headers=headers)
+    assert r.status_code == 200 and r.json()["plan_id"] == plan_id
+    assert (await client.get("/v1/plan")).status_code == 401

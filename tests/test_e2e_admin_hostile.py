@@ -128,6 +128,8 @@ async def test_admin_api_auth_replan_and_drain(isolated_amqp_url: str, tmp_path:
 
             plan = (await cluster.admin("POST", "/v1/replan")).json()
             assert plan["plan_id"] and plan["n_requests"] >= queued_a
+            latest = (await cluster.admin("GET", "/v1/plan")).json()
+            assert latest["plan_id"] == plan["plan_id"] and latest["policy"] == "edf"
 
             r = await cluster.admin("POST", "/v1/instances/d-a-gpu0/drain")
             assert r.status_code == 200, r.text

@@ -113,3 +113,24 @@ async def test_coordinator_on_postgresql(
     assert sorted(r.request_id for r in replies) == sorted(r.request_id for r in reqs)
     counts = await store_counts(isolated_postgres_url)
     assert counts.get("completed") == 100, counts
+
+
+async def test_qlm_policy_serves_everything_and_replans(
+    isolated_amqp_url: str, tmp_path: Path
+) -> None:
+    """The stochastic planner behind the live coordinator: every request answered once, and
+    an operator replan uses it (plan summary with the planner's feasibility and LSO output)."""
+    reqs = requests(300, "q", seed=3)
+    async with running_cluster(isolated_amqp_url, tmp_path, TWO_AGENTS, policy="qlm") as cluster:
+        async with QlmClient(isolated_amqp_url) as client:
+            futures = [await client.submit(r) for r in reqs]
+            plan = (await cluster.admin("POST", "/v1/replan")).json()
+            replies = await gather_replies(futures, timeout=180)
+            await asyncio.sleep(0.5)
+            assert not client.duplicates
+        summary = (await cluster.admin("GET", "/v1/plan")).json()
+    assert plan["policy"] == "qlm"
+    assert summary["policy"] == "qlm" and summary["feasible"] is not None
+    assert summary["lso"] is not None
+    assert sorted(r.request_id for r in replies) == sorted(r.request_id for r in reqs)
+    assert all(isinstance(r, ResultMessage) for r in replies)

@@ -106,6 +106,7 @@ class Coordinator:
         self._liveness: asyncio.Task[None] | None = None
         self._stopping = False
         self._replan_pending = False
+        self._last_plan_at = 0.0
         self.ingested = 0
         self.received_at_first: float | None = None
 
@@ -398,6 +399,10 @@ class Coordinator:
         )
         self.metrics.observe_outcome("completed")
         self.metrics.observe_slo(t.request.slo.slo_class or "default", outcome.met)
+        # the planner's output-length model learns from what requests really produced
+        self.core.policy.observe_completion(
+            t.request.model, t.request.slo.slo_class, len(c.output_token_ids)
+        )
         if t.dispatched_at is not None:
             self.metrics.observe_dispatch_latency(max(0.0, c.started_at - t.dispatched_at))
 
@@ -606,7 +611,12 @@ class Coordinator:
             n_instances=len(plan.queues),
             summary={iid: len(ids) for iid, ids in plan.queues.items()},
         )
+        self._last_plan_at = now
         self.metrics.observe_plan(duration)
+        scale_up = plan.meta.get("scale_up") or {}
+        self.metrics.set_scale_up(
+            (scale_up.get("recommendation") or {}) if scale_up.get("needed") else {}
+        )
         self._pump()
         return {
             "plan_id": plan.plan_id,
@@ -616,6 +626,23 @@ class Coordinator:
             "n_instances": len(plan.queues),
             # set by policies that can tell: which GPUs to add when no plan meets the SLOs
             "scale_up": plan.meta.get("scale_up"),
+        }
+
+    def latest_plan(self) -> dict[str, Any] | None:
+        plan = self.core.last_plan
+        if plan is None:
+            return None
+        meta = plan.meta
+        return {
+            "plan_id": plan.plan_id,
+            "policy": plan.policy,
+            "created_at": self._last_plan_at,
+            "n_requests": len(plan.assigned_ids()) + len(plan.unassigned),
+            "queues": {iid: len(ids) for iid, ids in plan.queues.items()},
+            "feasible": meta.get("feasible"),
+            "predicted_attainment": meta.get("predicted_attainment"),
+            "scale_up": meta.get("scale_up"),
+            "lso": meta.get("lso"),
         }
 
     async def drain(self, instance_id: str) -> dict[str, Any]:
