@@ -53,7 +53,7 @@ async def _publish_backlog(amqp_url: str, n: int, shards: int) -> float:
     return n / (time.perf_counter() - t0)
 
 
-async def ingest_phase(amqp_url: str, n: int, shards: int) -> dict[str, Any]:
+async def ingest_phase(amqp_url: str, n: int, shards: int, policy: str) -> dict[str, Any]:
     from planner import create_policy
     from qlm.coordinator.service import Coordinator
     from qlm.store import Store
@@ -62,7 +62,7 @@ async def ingest_phase(amqp_url: str, n: int, shards: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         store = await Store.open(f"sqlite+aiosqlite:///{Path(tmp) / 'bench.db'}")
         coord = Coordinator(
-            amqp_url=amqp_url, policy=create_policy("edf"), store=store, shards=shards
+            amqp_url=amqp_url, policy=create_policy(policy), store=store, shards=shards
         )
         await coord.start()
         t_start = time.time()
@@ -83,14 +83,16 @@ async def ingest_phase(amqp_url: str, n: int, shards: int) -> dict[str, Any]:
     }
 
 
-async def latency_phase(amqp_url: str, n: int, rate: float, shards: int) -> dict[str, Any]:
+async def latency_phase(
+    amqp_url: str, n: int, rate: float, shards: int, policy: str
+) -> dict[str, Any]:
     from qlm.client import QlmClient
     from qlm.demo import LocalCluster
     from qlm.types import ResultMessage
 
     cluster = LocalCluster(
         amqp_url,
-        policy="edf",
+        policy=policy,
         shards=shards,
         agents=[
             {
@@ -132,14 +134,17 @@ async def latency_phase(amqp_url: str, n: int, rate: float, shards: int) -> dict
 
 
 async def run_ingest_bench(
-    *, requests: int, rate: float, latency_requests: int, shards: int
+    *, requests: int, rate: float, latency_requests: int, shards: int, policies: list[str]
 ) -> dict[str, Any]:
     from qlm.localbroker import ensure_broker, isolated_vhost
 
     base = ensure_broker()
-    # Each phase on a fresh vhost: nothing left over from earlier runs, nothing left behind.
-    with isolated_vhost(base, prefix="qlm-bench") as url:
-        ingest = await ingest_phase(url, requests, shards)
-    with isolated_vhost(base, prefix="qlm-bench") as url:
-        latency = await latency_phase(url, latency_requests, rate, shards)
-    return {"ingest": ingest, "dispatch": latency}
+    out: dict[str, Any] = {}
+    for policy in policies:
+        # Each phase on a fresh vhost: nothing left over from earlier runs, nothing left behind.
+        with isolated_vhost(base, prefix="qlm-bench") as url:
+            ingest = await ingest_phase(url, requests, shards, policy)
+        with isolated_vhost(base, prefix="qlm-bench") as url:
+            latency = await latency_phase(url, latency_requests, rate, shards, policy)
+        out[policy] = {"ingest": ingest, "dispatch": latency}
+    return out

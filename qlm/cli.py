@@ -276,6 +276,9 @@ def bench_ingest(
     rate: Annotated[float, typer.Option(help="arrival rate for the latency phase (req/s)")] = 300,
     latency_requests: Annotated[int, typer.Option(help="requests in the latency phase")] = 3000,
     shards: Annotated[int, typer.Option()] = 2,
+    policies: Annotated[str, typer.Option(help="comma-separated, measured one after another")] = (
+        "qlm,edf"
+    ),
     json_out: Annotated[Path | None, typer.Option("--json")] = None,
 ) -> None:
     """Coordinator ingest rate (requests/s) and added dispatch latency (delivery→engine start)."""
@@ -285,7 +288,11 @@ def bench_ingest(
     _setup_logging(s, "bench")
     result = asyncio.run(
         run_ingest_bench(
-            requests=requests, rate=rate, latency_requests=latency_requests, shards=shards
+            requests=requests,
+            rate=rate,
+            latency_requests=latency_requests,
+            shards=shards,
+            policies=policies.split(","),
         )
     )
     typer.echo(json.dumps(result, indent=2))
@@ -325,6 +332,25 @@ def bench_planner(
         )
     except ValueError as e:
         raise typer.BadParameter(str(e)) from e
+
+
+@bench_app.command("planner-exact")
+def bench_planner_exact(
+    cases: Annotated[
+        str | None,
+        typer.Option(help="GROUPSxQUEUESsSEED,... (default 10x2s0,10x3s1,15x3s0,20x4s0)"),
+    ] = None,
+    time_limit: Annotated[float, typer.Option(help="exact MILP time limit, s")] = 120.0,
+    json_out: Annotated[Path | None, typer.Option("--json")] = None,
+) -> None:
+    """The planner's group plan vs the exact MILP on small (<= 20 groups) problems."""
+    from planner.exact_check import DEFAULT_CASES, parse_cases, run_exact_check
+
+    try:
+        selected = parse_cases(cases) if cases else list(DEFAULT_CASES)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from e
+    run_exact_check(selected, time_limit=time_limit, json_path=json_out, echo=typer.echo)
 
 
 def main() -> None:

@@ -107,6 +107,8 @@ class Coordinator:
         self._stopping = False
         self._replan_pending = False
         self._last_plan_at = 0.0
+        self._last_auto_replan = float("-inf")
+        self._last_replan_s = 0.0
         self.ingested = 0
         self.received_at_first: float | None = None
 
@@ -467,8 +469,13 @@ class Coordinator:
                     return
 
     def _schedule_replan(self) -> None:
-        """Replan soon, once: arrivals that ask for it while one is pending share it."""
+        """Replan soon, once: arrivals that ask for it while one is pending share it. A replan
+        runs on the event loop, so automatic ones are spaced out: at least 1 s apart and at
+        most ~20 % of the time (5x the last replan's duration), leaving the rest to ingest
+        and dispatch. The policy is asked again on the next arrival or liveness tick."""
         if self._replan_pending or self._stopping:
+            return
+        if time.monotonic() - self._last_auto_replan < max(1.0, 5 * self._last_replan_s):
             return
         self._replan_pending = True
 
@@ -478,6 +485,7 @@ class Coordinator:
                 await self.replan()
             finally:
                 self._replan_pending = False
+                self._last_auto_replan = time.monotonic()
 
         self._spawn(run())
 
@@ -612,6 +620,7 @@ class Coordinator:
             summary={iid: len(ids) for iid, ids in plan.queues.items()},
         )
         self._last_plan_at = now
+        self._last_replan_s = duration
         self.metrics.observe_plan(duration)
         scale_up = plan.meta.get("scale_up") or {}
         self.metrics.set_scale_up(
