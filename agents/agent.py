@@ -98,6 +98,7 @@ class Agent:
         queue = await declare_agent_queue(sub, self.agent_id)
         await queue.consume(self._on_dispatch, no_ack=False)
         for inst in self.instances.values():
+            inst.engine.set_capacity_listener(self._wake.set)
             await inst.engine.start(self._make_output_handler(inst))
         await self._send_heartbeat()
         self._tasks = [

@@ -87,6 +87,17 @@ class EngineBackend(ABC):
     @abstractmethod
     def stats(self) -> EngineStats: ...
 
+    def set_capacity_listener(self, listener: Callable[[], None]) -> None:
+        """Register a callback the engine calls when ``wants()`` may have grown (it admitted
+        waiting requests, or finished some): the agent then grants credit at once instead of
+        at its next polling tick. Optional: without it the agent still polls."""
+        self._capacity_listener = listener
+
+    def _capacity_changed(self) -> None:
+        listener = getattr(self, "_capacity_listener", None)
+        if listener is not None:
+            listener()
+
     @abstractmethod
     def wants(self) -> int:
         """How many more requests the engine should be given now (0 when it is saturated:

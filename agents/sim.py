@@ -281,7 +281,10 @@ class SimEngine(EngineBackend):
         if not self._running and self._waiting[0].request.model != self._active_model:
             await self._load(self._waiting[0].request.model)
             return
+        had_waiting = bool(self._waiting)
         self._plan = self._schedule()
+        if had_waiting and not self._waiting:
+            self._capacity_changed()  # the waiting queue drained: room for more credit
         if not self._plan:
             # Cannot happen for requests that passed _reject_reason; never spin on it.
             stuck = self._running[0] if self._running else self._waiting[0]
