@@ -42,8 +42,18 @@ from planner.stochastic import QLMPolicy
 
 log = structlog.get_logger(__name__)
 
-# (groups, queues, seed): 10, 15 and 20 groups over 2-4 queues
-DEFAULT_CASES: tuple[tuple[int, int, int], ...] = ((10, 2, 0), (10, 3, 1), (15, 3, 0), (20, 4, 0))
+# (groups, queues, seed): 10, 15 and 20 groups over 2-4 queues; about 10 minutes in all here
+DEFAULT_CASES: tuple[tuple[int, int, int], ...] = (
+    (10, 2, 0),
+    (10, 2, 1),
+    (10, 3, 1),
+    (15, 3, 0),
+    (15, 3, 1),
+    (15, 4, 1),
+    (20, 3, 0),
+    (20, 4, 0),
+    (20, 4, 1),
+)
 FAST_SPEED = 1.6
 SWITCH_S = 4.0
 WITHIN = 0.02  # the bar: at most 2 % below the exact optimum

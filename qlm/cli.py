@@ -338,7 +338,7 @@ def bench_planner(
 def bench_planner_exact(
     cases: Annotated[
         str | None,
-        typer.Option(help="GROUPSxQUEUESsSEED,... (default 10x2s0,10x3s1,15x3s0,20x4s0)"),
+        typer.Option(help="GROUPSxQUEUESsSEED,... (default: planner.exact_check.DEFAULT_CASES)"),
     ] = None,
     time_limit: Annotated[float, typer.Option(help="exact MILP time limit, s")] = 120.0,
     json_out: Annotated[Path | None, typer.Option("--json")] = None,

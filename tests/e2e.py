@@ -42,5 +42,15 @@ async def store_counts(database_url: str) -> dict[str, int]:
         await store.close()
 
 
+async def store_record(database_url: str, request_id: str) -> dict[str, Any]:
+    store = await Store.open(database_url)
+    try:
+        record = await store.get_request(request_id)
+    finally:
+        await store.close()
+    assert record is not None, request_id
+    return record
+
+
 async def gather_replies(futures: list[asyncio.Future[Any]], timeout: float) -> list[Any]:
     return list(await asyncio.wait_for(asyncio.gather(*futures), timeout=timeout))

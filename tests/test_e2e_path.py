@@ -12,7 +12,7 @@ import pytest
 
 from qlm.client import QlmClient
 from qlm.types import SLO, RequestMessage, ResultMessage
-from tests.e2e import gather_replies, running_cluster, store_counts
+from tests.e2e import gather_replies, running_cluster, store_counts, store_record
 
 pytestmark = [pytest.mark.broker, pytest.mark.slow]
 
@@ -96,6 +96,11 @@ async def test_sigkill_one_of_two_agents_mid_run_still_one_reply_each(
     assert all(r.instance_id == "e2e-b-gpu0" for r in retried)
     counts = await store_counts(db)
     assert counts.get("completed") == 300, counts
+    # The broker's event exchange told the coordinator the moment the agent's connection
+    # closed; it did not have to wait for the heartbeat timeout.
+    history = (await store_record(db, retried[0].request_id))["history"]
+    reasons = [(h.get("detail") or {}).get("reason") for h in history if h["status"] == "requeued"]
+    assert reasons == ["connection_closed"], history
 
 
 @pytest.mark.postgres

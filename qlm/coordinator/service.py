@@ -15,6 +15,7 @@ import json
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
+from urllib.parse import unquote, urlsplit
 
 import aio_pika
 import structlog
@@ -45,6 +46,7 @@ from qlm.topology import (
     REASON_HEADER,
     REASON_TEXT_HEADER,
     Topology,
+    agent_queue,
     agent_routing_key,
     declare_topology,
 )
@@ -59,6 +61,13 @@ from qlm.types import (
 )
 
 log = structlog.get_logger(__name__)
+
+EVENT_EXCHANGE = "amq.rabbitmq.event"
+AGENT_QUEUE_PREFIX = agent_queue("")
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value or "")
 
 
 def slo_outcome(t: TrackedRequest, first_token_at: float | None, finished_at: float) -> SLOOutcome:
@@ -100,6 +109,7 @@ class Coordinator:
         self.core = CoordinatorCore(policy, heartbeat_timeout_s=heartbeat_timeout_s)
         self.metrics = metrics or CoordinatorMetrics()
         self._conn: AbstractRobustConnection | None = None
+        self._events_conn: AbstractRobustConnection | None = None
         self._pub: AbstractChannel | None = None
         self._topology: Topology | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -131,8 +141,42 @@ class Coordinator:
             await ch.set_qos(prefetch_count=self.prefetch)
             shard = await ch.get_queue(q.name, ensure=False)
             await shard.consume(self._on_request, no_ack=False)
+        await self._watch_agent_queues()
         self._liveness = asyncio.create_task(self._liveness_loop())
         log.info("coordinator_started", shards=self.shards, policy=self.core.policy.name)
+
+    async def _watch_agent_queues(self) -> None:
+        """Learn at once when an agent's connection closes: its exclusive dispatch queue is
+        deleted with it, and the broker's event exchange (plugin ``rabbitmq_event_exchange``,
+        which publishes in the default vhost ``/`` for every vhost) announces that. Best
+        effort: without the plugin or access to ``/``, heartbeat timeouts and returned
+        dispatches still detect a lost agent, only later."""
+        parts = urlsplit(self.amqp_url)
+        vhost = unquote(parts.path[1:]) or "/"
+        try:
+            self._events_conn = await aio_pika.connect_robust(
+                parts._replace(path="/").geturl(),
+                client_properties={"connection_name": "qlm-coordinator-events"},
+            )
+            ch = await self._events_conn.channel()
+            events = await ch.get_exchange(EVENT_EXCHANGE, ensure=True)
+            q = await ch.declare_queue(exclusive=True, auto_delete=True)
+            await q.bind(events, routing_key="queue.deleted")
+        except Exception as exc:
+            log.warning("agent_queue_events_unavailable", error=repr(exc)[:200])
+            if self._events_conn is not None:
+                with contextlib.suppress(Exception):
+                    await self._events_conn.close()
+                self._events_conn = None
+            return
+
+        async def on_event(message: AbstractIncomingMessage) -> None:
+            headers = message.headers or {}
+            name = _text(headers.get("name"))
+            if _text(headers.get("vhost")) == vhost and name.startswith(AGENT_QUEUE_PREFIX):
+                self._lost_agent(name[len(AGENT_QUEUE_PREFIX) :], "connection_closed")
+
+        await q.consume(on_event, no_ack=True)
 
     async def stop(self) -> None:
         self._stopping = True
@@ -142,8 +186,9 @@ class Coordinator:
                 await self._liveness
         if self._tasks:
             await asyncio.wait(list(self._tasks), timeout=5)
-        if self._conn:
-            await self._conn.close()
+        for conn in (self._events_conn, self._conn):
+            if conn is not None:
+                await conn.close()
         await self.store.flush()
         log.info("coordinator_stopped")
 
