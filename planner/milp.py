@@ -325,12 +325,16 @@ def solve_slots(
     mpos = {m: k for k, m in enumerate(models)}
     base = np.array([p.base[g] for g in ins] if start is None else list(start), dtype=float)
     init = list(p.init_model[ins]) if init_model is None else list(init_model)
+    # Ineligible (group, instance) pairs hold inf; x is fixed to 0 there, but the solver
+    # rejects inf coefficients outright, so they become 0 in the model.
     dur = p.dur[np.ix_(gi, ins)]
     own = p.own[np.ix_(gi, ins)]
     elig = p.eligible[np.ix_(gi, ins)]
     dl = p.deadline[gi]
     w = p.weight[gi].astype(float)
-    finite_dur = np.where(elig, dur, 0.0)
+    dur = np.where(elig, dur, 0.0)
+    own = np.where(elig, own, 0.0)
+    finite_dur = dur
     max_sw = float(p.switch[np.ix_(ins, models)].max()) if models else 0.0
     horizon = base.max() + finite_dur.max(axis=1).sum() + n * max_sw + np.where(elig, own, 0).max()
     big_m = float(horizon - min(dl.min(), 0.0) + 1.0) if np.isfinite(dl).any() else horizon + 1.0
