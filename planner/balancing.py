@@ -7,10 +7,12 @@ needs more than O(instances) per placement.
 from __future__ import annotations
 
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from qlm.policy import Plan, PlanInstance, PlanRequest, QueuePolicy
+
+Picker = Callable[[PlanRequest, list[PlanInstance]], str]
 
 
 def _eligible(request: PlanRequest, instances: Sequence[PlanInstance]) -> list[PlanInstance]:
@@ -19,8 +21,33 @@ def _eligible(request: PlanRequest, instances: Sequence[PlanInstance]) -> list[P
 
 
 class _FCFSOrder(QueuePolicy):
+    """FCFS inside each queue; subclasses only say which eligible instance a request gets."""
+
     def sort_key(self, request: PlanRequest) -> tuple[Any, ...]:
         return (request.arrival_time, request.seq)
+
+    def _plan_with(
+        self, pick: Picker, requests: Sequence[PlanRequest], instances: Sequence[PlanInstance]
+    ) -> Plan:
+        queues: dict[str, list[str]] = {i.instance_id: [] for i in instances}
+        unassigned: list[str] = []
+        eligible_by_model: dict[str, list[PlanInstance]] = {}
+        for req in sorted(requests, key=lambda r: (self.sort_key(r), r.request_id)):
+            eligible = eligible_by_model.get(req.model)
+            if eligible is None:
+                eligible = eligible_by_model[req.model] = _eligible(req, instances)
+            if not eligible:
+                unassigned.append(req.request_id)
+                continue
+            queues[pick(req, eligible)].append(req.request_id)
+        return Plan(queues=queues, unassigned=unassigned, policy=self.name)
+
+    @staticmethod
+    def _place_with(
+        pick: Picker, request: PlanRequest, instances: Sequence[PlanInstance]
+    ) -> str | None:
+        eligible = _eligible(request, instances)
+        return pick(request, eligible) if eligible else None
 
 
 class RoundRobinPolicy(_FCFSOrder):
@@ -37,27 +64,18 @@ class RoundRobinPolicy(_FCFSOrder):
         self._cursor: dict[str, int] = {}
 
     @staticmethod
-    def _next(cursor: dict[str, int], request: PlanRequest, eligible: list[PlanInstance]) -> str:
-        k = cursor.get(request.model, 0)
-        cursor[request.model] = k + 1
-        return eligible[k % len(eligible)].instance_id
+    def _cycler(cursor: dict[str, int]) -> Picker:
+        def pick(request: PlanRequest, eligible: list[PlanInstance]) -> str:
+            k = cursor.get(request.model, 0)
+            cursor[request.model] = k + 1
+            return eligible[k % len(eligible)].instance_id
+
+        return pick
 
     def plan(
         self, requests: Sequence[PlanRequest], instances: Sequence[PlanInstance], now: float
     ) -> Plan:
-        queues: dict[str, list[str]] = {i.instance_id: [] for i in instances}
-        unassigned: list[str] = []
-        cursor: dict[str, int] = {}
-        eligible_by_model: dict[str, list[PlanInstance]] = {}
-        for req in sorted(requests, key=lambda r: (self.sort_key(r), r.request_id)):
-            eligible = eligible_by_model.get(req.model)
-            if eligible is None:
-                eligible = eligible_by_model[req.model] = _eligible(req, instances)
-            if not eligible:
-                unassigned.append(req.request_id)
-                continue
-            queues[self._next(cursor, req, eligible)].append(req.request_id)
-        return Plan(queues=queues, unassigned=unassigned, policy=self.name)
+        return self._plan_with(self._cycler({}), requests, instances)
 
     def place(
         self,
@@ -66,8 +84,7 @@ class RoundRobinPolicy(_FCFSOrder):
         load: Mapping[str, float],
         now: float,
     ) -> str | None:
-        eligible = _eligible(request, instances)
-        return self._next(self._cursor, request, eligible) if eligible else None
+        return self._place_with(self._cycler(self._cursor), request, instances)
 
 
 class RandomPolicy(_FCFSOrder):
@@ -90,18 +107,7 @@ class RandomPolicy(_FCFSOrder):
     def plan(
         self, requests: Sequence[PlanRequest], instances: Sequence[PlanInstance], now: float
     ) -> Plan:
-        queues: dict[str, list[str]] = {i.instance_id: [] for i in instances}
-        unassigned: list[str] = []
-        eligible_by_model: dict[str, list[PlanInstance]] = {}
-        for req in sorted(requests, key=lambda r: (self.sort_key(r), r.request_id)):
-            eligible = eligible_by_model.get(req.model)
-            if eligible is None:
-                eligible = eligible_by_model[req.model] = _eligible(req, instances)
-            if not eligible:
-                unassigned.append(req.request_id)
-                continue
-            queues[self._pick(req, eligible)].append(req.request_id)
-        return Plan(queues=queues, unassigned=unassigned, policy=self.name)
+        return self._plan_with(self._pick, requests, instances)
 
     def place(
         self,
@@ -110,5 +116,4 @@ class RandomPolicy(_FCFSOrder):
         load: Mapping[str, float],
         now: float,
     ) -> str | None:
-        eligible = _eligible(request, instances)
-        return self._pick(request, eligible) if eligible else None
+        return self._place_with(self._pick, request, instances)

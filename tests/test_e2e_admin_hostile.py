@@ -91,6 +91,13 @@ async def test_admin_api_auth_replan_and_drain(isolated_amqp_url: str, tmp_path:
         {"agent_id": "d-b", "models": ["mistral-7b"], "time_scale": 0.5},
     ]
     async with running_cluster(isolated_amqp_url, tmp_path, agents) as cluster:
+        health = (await cluster.admin("GET", "/healthz")).json()
+        assert health == {
+            "status": "ok",
+            "broker_connected": True,
+            "store_ok": True,
+            "active": True,
+        }, health
         r = await cluster.admin("GET", "/v1/instances", token="wrong")
         assert r.status_code == 403
         async with httpx.AsyncClient() as http:

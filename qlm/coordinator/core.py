@@ -319,17 +319,6 @@ class CoordinatorCore:
         if tracked is not None and tracked.state == TrackState.ANSWERING:
             self._place(tracked, self.clock())
 
-    def drop(self, request_id: str) -> TrackedRequest | None:
-        """Forget a request whose delivery is gone (its channel closed before we acked);
-        the broker will redeliver it and it will be admitted afresh."""
-        tracked = self.requests.pop(request_id, None)
-        if tracked is None:
-            return None
-        if tracked.state == TrackState.QUEUED:
-            self._unqueue(tracked)
-        self._forget_running(tracked)
-        return tracked
-
     # ---------------------------------------------------------------- failures
     def lose_instance(self, instance_id: str, reason: str, now: float) -> list[TrackedRequest]:
         """Declare an instance dead: its queued and in-flight requests go to other queues."""

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -117,6 +116,7 @@ class Coordinator:
         self._stopping = False
         self._replan_pending = False
         self._last_plan_at = 0.0
+        self._store_seen = (0, 0)  # (failures, committed) at the last health check
         self._last_auto_replan = float("-inf")
         self._last_replan_s = 0.0
         self.ingested = 0
@@ -713,12 +713,19 @@ class Coordinator:
 
     def health(self) -> dict[str, Any]:
         connected = self._conn is not None and not self._conn.is_closed
+        store_ok = self._store_healthy()
         return {
-            "status": "ok" if connected else "degraded",
+            "status": "ok" if connected and store_ok else "degraded",
             "broker_connected": connected,
-            "store_ok": True,
+            "store_ok": store_ok,
             "active": connected,
         }
 
-    def dump_state(self) -> str:
-        return json.dumps({"counts": self.core.state_counts(), "queues": self.core.queue_depths()})
+    def _store_healthy(self) -> bool:
+        """The store keeps up: no entries dropped, a bounded backlog, and no write failures
+        since the last check without a successful commit in between."""
+        st = self.store.stats
+        failures, committed = self._store_seen
+        self._store_seen = (st.failures, st.committed)
+        failing = st.failures > failures and st.committed == committed
+        return not failing and st.dropped_full == 0 and st.buffered < 100_000
