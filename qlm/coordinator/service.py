@@ -515,12 +515,18 @@ class Coordinator:
 
     def _schedule_replan(self) -> None:
         """Replan soon, once: arrivals that ask for it while one is pending share it. A replan
-        runs on the event loop, so automatic ones are spaced out: at least 1 s apart and at
-        most ~20 % of the time (5x the last replan's duration), leaving the rest to ingest
-        and dispatch. The policy is asked again on the next arrival or liveness tick."""
+        runs on the event loop, so automatic ones are spaced out: at least 1 s apart, at most
+        ~20 % of the time (5x the last replan's duration), and only when the virtual queues
+        hold work (two requests per live instance or more), leaving the rest to ingest and
+        dispatch. The policy is asked again on the next arrival or liveness tick."""
         if self._replan_pending or self._stopping:
             return
         if time.monotonic() - self._last_auto_replan < max(1.0, 5 * self._last_replan_s):
+            return
+        # With (nearly) empty virtual queues there is no order to improve: the engines take
+        # requests as they come, and a replan would only stall the event loop.
+        live = sum(1 for i in self.core.instances.values() if i.status == "alive")
+        if sum(self.core.queue_depths().values()) + len(self.core.unassigned) < 2 * max(live, 1):
             return
         self._replan_pending = True
 
