@@ -126,6 +126,7 @@ class LocalCluster:
         self.policy = policy
         self.agent_specs = agents
         self.workdir = workdir or Path(tempfile.mkdtemp(prefix="qlm-cluster-"))
+        self.workdir.mkdir(parents=True, exist_ok=True)
         self.database_url = database_url or f"sqlite+aiosqlite:///{self.workdir}/qlm.db"
         self.shards = shards
         self.token = secrets.token_urlsafe(24)
