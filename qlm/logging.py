@@ -36,3 +36,29 @@ def configure_logging(level: str = "info", fmt: str = "json", component: str | N
         structlog.contextvars.bind_contextvars(component=component)
     # aio-pika/aiormq use stdlib logging; keep their warnings, drop their debug chatter.
     logging.basicConfig(level=max(lvl, logging.WARNING), stream=sys.stderr)
+
+
+def watch_gc_pauses(threshold_s: float = 0.01) -> None:
+    """Log every garbage-collector pass that stops the process longer than ``threshold_s``:
+    a full collection over a large heap pauses the event loop, which shows up as a latency
+    tail with no other trace in the logs."""
+    import gc
+    import time
+
+    log = structlog.get_logger("qlm.gc")
+    started: list[float] = [0.0]
+
+    def callback(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            started[0] = time.perf_counter()
+            return
+        pause = time.perf_counter() - started[0]
+        if pause >= threshold_s:
+            log.warning(
+                "gc_pause",
+                generation=info.get("generation"),
+                pause_ms=round(pause * 1000, 1),
+                collected=info.get("collected"),
+            )
+
+    gc.callbacks.append(callback)
