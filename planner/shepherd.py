@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -91,13 +91,20 @@ class SHEPHERDPolicy(QueuePolicy):
         ilp_batches: int = 32,
         time_limit_s: float = 0.5,
         max_wait_s: float = 600.0,
+        replan_every_s: float = 5.0,
     ) -> None:
         if batch_size < 1 or ilp_batches < 0 or time_limit_s <= 0 or max_wait_s <= 0:
             raise ValueError("batch_size >= 1, ilp_batches >= 0, time limits > 0 required")
         self.batch_size = batch_size
+        self.static_batch_size = batch_size
         self.ilp_batches = ilp_batches
         self.time_limit_s = time_limit_s
         self.max_wait_s = max_wait_s
+        # SHEPHERD plans periodically (its batches are formed from what queued since): ask for
+        # a replan once the last one is this old and requests arrived since.
+        self.replan_every_s = replan_every_s
+        self._planned_at: float | None = None
+        self._arrivals_since_plan = 0
         # Import the solver stack once, when the policy is built (coordinator start), so the
         # first replan does not pay ~1 s of imports.
         import cvxpy  # noqa: F401
@@ -105,10 +112,26 @@ class SHEPHERDPolicy(QueuePolicy):
     def sort_key(self, request: PlanRequest) -> tuple[Any, ...]:
         return (request.effective_deadline, request.arrival_time, request.seq)
 
+    def wants_replan(self, now: float) -> bool:
+        if not self._arrivals_since_plan:
+            return False
+        return self._planned_at is None or now - self._planned_at >= self.replan_every_s
+
+    def place(
+        self,
+        request: PlanRequest,
+        instances: Sequence[PlanInstance],
+        load: Mapping[str, float],
+        now: float,
+    ) -> str | None:
+        self._arrivals_since_plan += 1
+        return super().place(request, instances, load, now)
+
     # ------------------------------------------------------------------ plan
     def plan(
         self, requests: Sequence[PlanRequest], instances: Sequence[PlanInstance], now: float
     ) -> Plan:
+        self._planned_at, self._arrivals_since_plan = now, 0
         queues: dict[str, list[str]] = {i.instance_id: [] for i in instances}
         unassigned: list[str] = []
         starving: list[PlanRequest] = []

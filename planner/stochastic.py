@@ -124,6 +124,7 @@ class QLMPolicy(QueuePolicy):
         self._arrivals_since_plan = 0
         self._half_out: dict[int, float] = {}
         self._completion: dict[str, np.ndarray] = {}
+        self._last_detail: tuple[Any, Any, list[PlanRequest], float] | None = None
 
     # ------------------------------------------------------------------ interface
     def sort_key(self, request: PlanRequest) -> tuple[Any, ...]:
@@ -133,6 +134,18 @@ class QLMPolicy(QueuePolicy):
 
     def observe_completion(self, model: str, slo_class: str | None, output_tokens: int) -> None:
         self.estimator.lengths.observe(model, slo_class, output_tokens)
+
+    def predicted_completions(self) -> dict[str, float]:
+        """Completion time of every request of the last plan at the chance level Δ (with
+        Δ = 0.5, the RCT estimator's mean): planned_at + c_q of its queue position."""
+        if self._last_detail is None:
+            return {}
+        queues, details, reqs, planned_at = self._last_detail
+        out: dict[str, float] = {}
+        for q, (c_q, _) in zip(queues, details, strict=False):
+            for k, i in enumerate(q):
+                out[reqs[int(i)].request_id] = planned_at + float(c_q[k])
+        return out
 
     def wants_replan(self, now: float) -> bool:
         if self._planned_at is None:
@@ -700,6 +713,7 @@ class QLMPolicy(QueuePolicy):
         self._plan_len, self._suffix_slack, self._added, self._theta = {}, {}, {}, {}
         self._completion = {}
         self._planned_at = now
+        self._last_detail = (queues, details, priced.reqs, now) if details else None
         self._violation = False
         self._arrivals_since_plan = 0
         reqs = priced.reqs

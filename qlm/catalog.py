@@ -9,7 +9,7 @@ requests against ``ModelSpec.max_context``/``max_output_tokens``; the engine per
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 
@@ -70,6 +70,24 @@ GPUS: dict[str, GPUSpec] = {
 
 class UnknownModelError(KeyError):
     pass
+
+
+VARIANT_SEPARATOR = "@"
+
+
+def resolve_model(name: str) -> ModelSpec:
+    """The spec of a catalog model or of a variant ``base@tag`` (a fine-tune of ``base``: same
+    shape and timings, different weights, so it is a distinct model to load and to group).
+    Unknown names raise KeyError listing the known ones."""
+    spec = MODELS.get(name)
+    if spec is not None:
+        return spec
+    base, sep, tag = name.partition(VARIANT_SEPARATOR)
+    if sep and tag and base in MODELS:
+        return replace(MODELS[base], name=name)
+    raise KeyError(
+        f"unknown model {name!r}; known: {sorted(MODELS)} (or a variant 'base@tag' of one)"
+    )
 
 
 class ModelCatalog:

@@ -8,6 +8,7 @@ import contextlib
 import json
 import os
 import signal
+import sys
 import uuid
 from pathlib import Path
 from typing import Annotated, Any
@@ -352,6 +353,79 @@ def bench_planner_exact(
     except ValueError as e:
         raise typer.BadParameter(str(e)) from e
     run_exact_check(selected, time_limit=time_limit, json_path=json_out, echo=typer.echo)
+
+
+def _sim_policy(name: str, overrides: Any) -> Any:
+    """The simulator's policy factory: planner.create_policy plus constructor overrides."""
+    from planner import POLICIES
+    from planner.stochastic import QLMPolicy
+    from qlm.grouping import GroupingConfig
+
+    if name not in POLICIES:
+        raise ValueError(f"unknown policy {name!r}; choose from {sorted(POLICIES)}")
+    kwargs = dict(overrides)
+    if name == "qlm":
+        if isinstance(kwargs.get("grouping"), dict):
+            kwargs["grouping"] = GroupingConfig(**kwargs["grouping"])
+        return QLMPolicy(**kwargs)
+    return POLICIES[name](**kwargs)
+
+
+@bench_app.command("sim")
+def bench_sim(
+    scenario: Annotated[str | None, typer.Option(help="a named scenario (see --list)")] = None,
+    file: Annotated[
+        Path | None, typer.Option(help="a scenario file (YAML or JSON) instead of a name")
+    ] = None,
+    policies: Annotated[
+        str | None, typer.Option(help="comma-separated policies (default: the scenario's)")
+    ] = None,
+    json_out: Annotated[Path | None, typer.Option("--json", help="write the summary here")] = None,
+    out: Annotated[
+        Path | None, typer.Option(help="folder for summary.json, results.md and PNG plots")
+    ] = None,
+    list_: Annotated[bool, typer.Option("--list", help="list the named scenarios")] = False,
+    dump_: Annotated[
+        bool, typer.Option("--dump", help="print the scenario as YAML and exit")
+    ] = False,
+    progress: Annotated[bool, typer.Option(help="progress bar on stderr")] = True,
+) -> None:
+    """Every policy on a simulated cluster: SLO attainment, throughput, GPU use, swaps,
+    evictions, p99 latency (docs/simulator.md)."""
+    from qlm.bench_sim import dump, resolve, run_sim_bench
+    from qlm.simulator.presets import PRESETS
+
+    if list_:
+        for name, named in PRESETS.items():
+            typer.echo(f"{name:12} {named.spec().description}")
+        return
+    try:
+        spec, preset = resolve(scenario, file)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from e
+    if dump_:
+        typer.echo(dump(spec))
+        return
+    names = [p.strip() for p in policies.split(",") if p.strip()] if policies else None
+    for name in names or spec.policies:
+        try:
+            _sim_policy(name, {})
+        except ValueError as e:
+            raise typer.BadParameter(str(e)) from e
+    command = "qlm bench sim " + " ".join(sys.argv[3:]) if len(sys.argv) > 3 else ""
+    logging_settings = _settings()
+    _setup_logging(logging_settings, "bench")
+    run_sim_bench(
+        spec,
+        preset,
+        _sim_policy,
+        command=command.strip(),
+        policies=names,
+        out_dir=out,
+        json_path=json_out,
+        echo=typer.echo,
+        show_progress=progress,
+    )
 
 
 def main() -> None:

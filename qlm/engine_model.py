@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, fields
 from functools import cached_property
 from typing import Any
 
-from qlm.catalog import GPUS, MODELS, GPUSpec, ModelSpec
+from qlm.catalog import GPUS, MODELS, GPUSpec, ModelSpec, resolve_model
 
 # vLLM paged KV cache: a block holds 16 tokens on CUDA (the default --block-size).
 KV_BLOCK_TOKENS = 16
@@ -219,6 +219,63 @@ class EngineProfile:
         """Seconds for one decode step of ``batch_size`` sequences, each ``context_tokens`` long."""
         return self.iteration_time(0, batch_size, batch_size * context_tokens)
 
+    def decode_segment_time(self, batch_size: int, context_tokens: int, iterations: int) -> float:
+        """Seconds for ``iterations`` consecutive decode steps of a fixed batch: the exact sum
+        of ``iteration_time(0, batch_size, context_tokens + j * batch_size)`` for j < iterations,
+        in closed form (each step adds one token to each of the ``batch_size`` sequences).
+
+        Each step's time is ``max(compute, memory) + constant`` with both terms linear in the
+        context, so the sum splits at the step where the bound changes into two arithmetic
+        series. The cluster simulator jumps over whole segments with it instead of ticking
+        every token."""
+        if iterations <= 0 or batch_size <= 0:
+            return 0.0
+        b, n = batch_size, iterations
+        # compute(j) = f0 + fs*j ; memory(j) = m0 + ms*j  (seconds), j = 0..n-1
+        fs = self._attention_flops_per_pair * b / self._flops_per_s
+        f0 = (
+            2.0 * self.model.params_b * 1e9 * b + self._attention_flops_per_pair * context_tokens
+        ) / self._flops_per_s
+        ms = self.kv_bytes_per_token * b / self._bytes_per_s
+        m0 = (
+            self.model.weight_bytes + self.kv_bytes_per_token * context_tokens
+        ) / self._bytes_per_s
+        constant = self._tp_comm_time(b) + self.iteration_overhead_s
+
+        def series(a: float, s: float, j0: int, j1: int) -> float:
+            k = j1 - j0
+            return k * a + s * k * (j0 + j1 - 1) / 2 if k > 0 else 0.0
+
+        # d(j) = compute - memory; the larger term switches at most once (both are linear)
+        d0, ds = f0 - m0, fs - ms
+        if ds == 0:
+            split = 0 if d0 >= 0 else n  # compute-bound on [0, split)
+        else:
+            crossing = -d0 / ds
+            if ds > 0:  # memory-bound before the crossing, compute-bound after
+                first_compute = min(n, max(0, math.ceil(crossing)))
+                return (
+                    series(m0, ms, 0, first_compute)
+                    + series(f0, fs, first_compute, n)
+                    + n * constant
+                )
+            split = min(n, max(0, math.floor(crossing) + 1))  # compute-bound up to crossing
+        return series(f0, fs, 0, split) + series(m0, ms, split, n) + n * constant
+
+    def decode_iterations_within(
+        self, batch_size: int, context_tokens: int, seconds: float, limit: int
+    ) -> int:
+        """The most decode steps (at most ``limit``) of a fixed batch that finish within
+        ``seconds``: the inverse of :meth:`decode_segment_time`, by bisection."""
+        lo, hi = 0, max(0, limit)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.decode_segment_time(batch_size, context_tokens, mid) <= seconds:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
     def token_throughput(self, batch_size: int, context: int) -> float:
         """Output tokens per second of a steady decode batch of ``context``-token sequences."""
         if batch_size == 0:
@@ -271,12 +328,7 @@ def get_profile(
     if gpu_type not in GPUS:
         raise KeyError(f"unknown GPU type {gpu_type!r}; known: {sorted(GPUS)}")
     gpu = GPUS[gpu_type]
-    if isinstance(model, str):
-        if model not in MODELS:
-            raise KeyError(f"unknown model {model!r}; known: {sorted(MODELS)}")
-        spec = MODELS[model]
-    else:
-        spec = model
+    spec = resolve_model(model) if isinstance(model, str) else model
     batched_tokens, num_seqs = vllm_batch_defaults(gpu)
     overrides.setdefault("max_num_batched_tokens", batched_tokens)
     overrides.setdefault("max_num_seqs", num_seqs)

@@ -95,6 +95,9 @@ class QueuePolicy(ABC):
     ``plan``/``place`` entirely (the stochastic planner does)."""
 
     name: str = "abstract"
+    # Set by policies whose executor runs fixed batches without continuous batching (the
+    # SHEPHERD baseline): the cluster simulator then runs their instances that way.
+    static_batch_size: int | None = None
 
     @abstractmethod
     def sort_key(self, request: PlanRequest) -> tuple[Any, ...]:
@@ -149,6 +152,12 @@ class QueuePolicy(ABC):
         """Whether the coordinator should run ``plan`` now (e.g. an arrival created a predicted
         SLO violation, or the last plan is too old). Simple policies never ask."""
         return False
+
+    def predicted_completions(self) -> Mapping[str, float]:
+        """The policy's own estimate of when each request of its last plan completes (absolute
+        time, the clock of ``now``): what the simulator's ``rct`` scenario checks against the
+        simulated completions. Empty for policies that make no estimate."""
+        return {}
 
     def observe_completion(self, model: str, slo_class: str | None, output_tokens: int) -> None:
         """A request finished with ``output_tokens`` tokens: policies that profile the workload

@@ -34,6 +34,10 @@ class VirtualQueue:
         self._ids.insert(pos, request_id)
         return pos
 
+    def head(self, n: int) -> list[str]:
+        """The first ``n`` ids, in order (a copy)."""
+        return self._ids[:n]
+
     def peek(self) -> str | None:
         return self._ids[0] if self._ids else None
 

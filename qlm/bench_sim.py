@@ -1,0 +1,110 @@
+"""``qlm bench sim``: run a named scenario (or a scenario file) through the cluster simulator for
+every policy, print the table, write JSON / Markdown / plots. The CLI passes the policy factory
+(``planner``), so this module stays inside qlm's core."""
+
+from __future__ import annotations
+
+import resource
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from qlm.simulator.presets import PRESETS, Preset
+from qlm.simulator.report import render_console_table, write_outputs
+from qlm.simulator.runner import PolicyFactory, PolicyVariant, run_scenario
+from qlm.simulator.scenario import ScenarioSpec, load_scenario
+
+
+def resolve(scenario: str | None, file: Path | None) -> tuple[ScenarioSpec, Preset | None]:
+    if (scenario is None) == (file is None):
+        raise ValueError("give exactly one of --scenario NAME or --file PATH")
+    if file is not None:
+        return load_scenario(file), None
+    assert scenario is not None
+    preset = PRESETS.get(scenario)
+    if preset is None:
+        raise ValueError(f"unknown scenario {scenario!r}; known: {sorted(PRESETS)}")
+    return preset.spec(), preset
+
+
+def dump(spec: ScenarioSpec) -> str:
+    return yaml.safe_dump(spec.model_dump(mode="json", exclude_none=True), sort_keys=False)
+
+
+def run_sim_bench(
+    spec: ScenarioSpec,
+    preset: Preset | None,
+    factory: PolicyFactory,
+    *,
+    command: str,
+    policies: list[str] | None = None,
+    out_dir: Path | None = None,
+    json_path: Path | None = None,
+    echo: Callable[[str], None] = print,
+    show_progress: bool = True,
+) -> dict[str, Any]:
+    overrides = preset.policy_overrides if preset else {}
+    names = policies or list(spec.policies)
+    variants = [PolicyVariant(p, p, overrides.get(p, {})) for p in names]
+    started = time.perf_counter()
+    with _progress(show_progress) as progress:
+        summary = run_scenario(
+            spec,
+            factory,
+            command=command,
+            variants=variants,
+            policy_sweep=preset.policy_sweep() if preset and preset.policy_sweep else None,
+            record_estimates=bool(preset and preset.record_estimates),
+            progress=progress,
+        )
+    wall = time.perf_counter() - started
+    peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    summary["run"] = {"wall_s": round(wall, 1), "peak_rss_mb": round(peak_mb)}
+    if preset is not None:
+        summary["targets"] = preset.targets
+    echo(render_console_table(summary))
+    echo(f"wall {wall:.1f} s, peak RSS {peak_mb:.0f} MB")
+    if "scatter" in summary:
+        echo(f"RCT estimate vs simulated completion: R^2 = {summary['scatter']['r2']:.3f}")
+    if out_dir is not None or json_path is not None:
+        for path in write_outputs(summary, out_dir, json_path):
+            echo(f"wrote {path}")
+    return summary
+
+
+class _progress:
+    """A rich progress bar on stderr, one task per simulated run (quiet when not a TTY)."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled and sys.stderr.isatty()
+        self._bar: Any = None
+        self._tasks: dict[str, Any] = {}
+
+    def __enter__(self) -> Callable[[str, float], None] | None:
+        if not self.enabled:
+            return None
+        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self._bar = Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            TextColumn("{task.percentage:>3.0f}%"),
+            TimeElapsedColumn(),
+            transient=False,
+        )
+        self._bar.start()
+        return self._update
+
+    def _update(self, name: str, fraction: float) -> None:
+        task = self._tasks.get(name)
+        if task is None:
+            task = self._tasks[name] = self._bar.add_task(name, total=1.0)
+        self._bar.update(task, completed=fraction)
+
+    def __exit__(self, *exc: object) -> None:
+        if self._bar is not None:
+            self._bar.stop()

@@ -1,0 +1,517 @@
+"""The cluster simulator: qlm's coordinator rules and a policy object driving simulated engines.
+
+Time is simulated and jumps from event to event: request arrivals, the end of an engine
+iteration / decode run / model load (:mod:`qlm.simulator.instance`), replan checks and, when the
+planner's own wall time is charged as decision delay, the moment a plan takes effect.
+
+The coordinator side follows :class:`qlm.coordinator.core.CoordinatorCore` (and the live
+service's replan rules), with the same :class:`~qlm.virtual_queue.VirtualQueue` and the same
+:class:`~qlm.policy.QueuePolicy` object the live coordinator uses:
+
+* an arrival is placed by ``policy.place`` and inserted at ``policy.sort_key``;
+* an instance pulls from the head of its virtual queue when the agent's admission control
+  allows (engine waiting queue empty, KV usage under 90 %, at most 8 at a time);
+* a full replan runs when ``policy.wants_replan`` asks, at most once per ``replan_interval_s``
+  and only while the queues hold at least two requests per instance (the live rule);
+* for policies granted the LSOs, the plan's ``meta["lso"]`` is carried out: models kept warm in
+  host memory, running requests evicted (by swap or recompute) when the head group would miss.
+
+Deterministic for a given workload and policy, except that a planner cut off by its wall-clock
+time budget may return a different plan on a slower machine (as it would live).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import itertools
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+
+from qlm.admission import SLOAdmissionGate, required_speed
+from qlm.engine_model import EngineProfile, get_profile
+from qlm.policy import Plan, PlanRequest, QueuePolicy
+from qlm.simulator.instance import SimInstance, SimJob
+from qlm.simulator.workload import SimRequest
+from qlm.virtual_queue import VirtualQueue
+
+log = structlog.get_logger(__name__)
+
+MIN_QUEUED_PER_INSTANCE = 2  # the live coordinator's rule for automatic replans
+PULL_WINDOW = 16  # SLO-aware pull: how far past the head of the virtual queue the gate looks
+
+
+@dataclass(frozen=True)
+class InstanceSpec:
+    instance_id: str
+    gpu_type: str
+    models: tuple[str, ...]
+    tp: int | None = None
+    cpu_memory_bytes: float = 256e9
+
+
+@dataclass(frozen=True)
+class LSOSwitches:
+    """Which of QLM's LSOs the simulated agents carry out (request pulling is always on)."""
+
+    eviction: bool = False
+    swap: bool = False
+    warm_start: bool = False
+    slo_pull: bool = False  # SLO-aware pull gate (qlm.admission), else pull while KV allows
+
+    @classmethod
+    def all(cls) -> LSOSwitches:
+        return cls(True, True, True, True)
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    replan_interval_s: float = 5.0
+    decision_delay: bool = False  # charge the planner's measured wall time
+    drain_s: float = 600.0  # keep simulating this long after the last arrival
+    lso: LSOSwitches = field(default_factory=LSOSwitches)
+    static_batch: int | None = None  # SHEPHERD: fixed batches, no continuous batching
+    record_estimates: bool = False  # keep the policy's predicted completion times
+    max_decode_run: int | None = None  # cap on iterations per decode jump (tests: 1)
+
+
+@dataclass
+class RequestOutcome:
+    request_id: str
+    model: str
+    slo_class: str
+    arrival_s: float
+    first_token_s: float | None
+    finished_s: float | None
+    met: bool
+    evictions: int
+    preemptions: int
+    estimated_finish_s: float | None = None
+
+
+@dataclass
+class SimResult:
+    outcomes: list[RequestOutcome]
+    makespan_s: float
+    sim_end_s: float
+    instances: dict[str, dict[str, float]]
+    replans: int
+    planner_wall_s: float
+    wall_s: float
+    events: int
+
+    def metrics(self) -> dict[str, Any]:
+        """The summary figures ``qlm bench sim`` reports."""
+        n = len(self.outcomes)
+        done = [o for o in self.outcomes if o.finished_s is not None]
+        met = sum(o.met for o in self.outcomes)
+        classes: dict[str, list[bool]] = {}
+        for o in self.outcomes:
+            classes.setdefault(o.slo_class, []).append(o.met)
+        latencies = sorted(o.finished_s - o.arrival_s for o in done if o.finished_s is not None)
+        span = self.makespan_s if self.makespan_s > 0 else float("nan")
+        inst = self.instances.values()
+        total_time = sum(i["time_s"] for i in inst) or float("nan")
+        return {
+            "slo_attainment": met / n if n else None,
+            "slo_attainment_by_class": {
+                c: sum(v) / len(v) for c, v in sorted(classes.items()) if v
+            },
+            "throughput_rps": len(done) / span if done else 0.0,
+            "goodput_rps": met / span if done else 0.0,
+            "gpu_utilisation": sum(i["busy_s"] for i in inst) / total_time,
+            "kv_utilisation": sum(i["kv_token_s"] for i in inst)
+            / (sum(i["kv_capacity"] * i["time_s"] for i in inst) or float("nan")),
+            "model_swaps": int(sum(i["model_swaps"] for i in inst)),
+            "cold_loads": int(sum(i["cold_loads"] for i in inst)),
+            "evictions": int(sum(i["evictions"] for i in inst)),
+            "kv_swaps": int(sum(i["swaps"] for i in inst)),
+            "preemptions": int(sum(i["preemptions"] for i in inst)),
+            "p50_latency_s": _quantile(latencies, 0.5),
+            "p99_latency_s": _quantile(latencies, 0.99),
+            "requests": n,
+            "completed": len(done),
+            "replans": self.replans,
+            "planner_wall_s": round(self.planner_wall_s, 3),
+            "sim_wall_s": round(self.wall_s, 2),
+        }
+
+
+def _quantile(sorted_values: Sequence[float], q: float) -> float | None:
+    if not sorted_values:
+        return None
+    k = min(len(sorted_values) - 1, max(0, math.ceil(q * len(sorted_values)) - 1))
+    return float(sorted_values[k])
+
+
+_ARRIVAL, _STEP, _TICK, _ADOPT = 0, 1, 2, 3
+
+
+class ClusterSimulator:
+    def __init__(
+        self,
+        instances: Sequence[InstanceSpec],
+        policy: QueuePolicy,
+        requests: Sequence[SimRequest],
+        config: SimConfig | None = None,
+        *,
+        progress: Callable[[float], None] | None = None,
+    ) -> None:
+        if not instances:
+            raise ValueError("a simulated cluster needs at least one instance")
+        self.config = config or SimConfig()
+        if self.config.replan_interval_s <= 0:
+            raise ValueError("replan_interval_s must be > 0")
+        self.policy = policy
+        self.requests = sorted(requests, key=lambda r: (r.arrival_s, r.request_id))
+        self._progress = progress
+        self._heap: list[tuple[float, int, int, Any, int]] = []
+        self._seq = itertools.count()
+        self.now = 0.0
+        self.instances: dict[str, SimInstance] = {}
+        cache: dict[tuple[str, str, int | None], EngineProfile] = {}
+        for spec in instances:
+            tp = spec.tp
+            if tp is None:  # the models share one GPU group: the largest degree any needs
+                tp = max(get_profile(spec.gpu_type, m).tp for m in spec.models)
+            profiles = {}
+            for m in spec.models:
+                key = (spec.gpu_type, m, tp)
+                if key not in cache:
+                    cache[key] = get_profile(spec.gpu_type, m, tp=tp)
+                profiles[m] = cache[key]
+            inst = SimInstance(
+                spec.instance_id,
+                spec.gpu_type,
+                list(spec.models),
+                profiles,
+                cpu_memory_bytes=spec.cpu_memory_bytes,
+                schedule=self._schedule_step,
+                on_finish=self._on_finish,
+                warm_start=self.config.lso.warm_start,
+                static_batch=self.config.static_batch,
+                max_decode_run=self.config.max_decode_run,
+            )
+            if self.config.lso.warm_start:
+                inst.set_warm(list(spec.models[1:]), 0.0)
+                for m in inst.warm:
+                    inst.warm[m] = 0.0  # a warm cluster: host copies made before the run
+            self.instances[spec.instance_id] = inst
+        self.queues = {iid: VirtualQueue(iid) for iid in self.instances}
+        self.queued_tokens = dict.fromkeys(self.instances, 0.0)
+        self.jobs: dict[str, SimJob] = {}
+        self.unassigned: list[SimJob] = []
+        self.queued_count = 0
+        self.finished = 0
+        self.last_finish = 0.0
+        self.replans = 0
+        self.planner_wall_s = 0.0
+        self._last_replan = -math.inf
+        self._plan_pending = False
+        self._estimates: dict[str, float] = {}
+        self.events = 0
+
+    # ------------------------------------------------------------------ event plumbing
+    def _push(self, t: float, kind: int, payload: Any = None, version: int = 0) -> None:
+        heapq.heappush(self._heap, (t, next(self._seq), kind, payload, version))
+
+    def _schedule_step(self, t: float, inst: SimInstance, version: int) -> None:
+        self._push(t, _STEP, inst, version)
+
+    # ------------------------------------------------------------------ main loop
+    def run(self) -> SimResult:
+        started = time.perf_counter()
+        reqs = self.requests
+        n = len(reqs)
+        last_arrival = reqs[-1].arrival_s if reqs else 0.0
+        end = last_arrival + self.config.drain_s
+        self._push(self.config.replan_interval_s, _TICK)
+        i = 0
+        next_report = 0.0
+        while True:
+            t_arrival = reqs[i].arrival_s if i < n else math.inf
+            t_event = self._heap[0][0] if self._heap else math.inf
+            t = min(t_arrival, t_event)
+            if t > end or (i >= n and self.finished + self._dropped() >= n):
+                break
+            self.now = t
+            self.events += 1
+            if t_arrival <= t_event:
+                self._arrive(reqs[i])
+                i += 1
+            else:
+                _, _, kind, payload, version = heapq.heappop(self._heap)
+                if kind == _STEP:
+                    if payload.version == version:
+                        self._step_done(payload)
+                elif kind == _TICK:
+                    self._maybe_replan()
+                    if i < n or self.finished < n:
+                        self._push(t + self.config.replan_interval_s, _TICK)
+                elif kind == _ADOPT:
+                    self._adopt(payload)
+            if self._progress is not None and t >= next_report:
+                self._progress(min(1.0, t / end) if end > 0 else 1.0)
+                next_report = t + end / 200
+        if self._progress is not None:
+            self._progress(1.0)
+        return self._result(time.perf_counter() - started)
+
+    def _dropped(self) -> int:
+        return 0  # no admission control drops requests in the simulator
+
+    # ------------------------------------------------------------------ coordinator rules
+    def _arrive(self, req: SimRequest) -> None:
+        view = PlanRequest(
+            request_id=req.request_id,
+            model=req.model,
+            prompt_tokens=req.prompt_tokens,
+            max_tokens=req.max_tokens,
+            arrival_time=req.arrival_s,
+            deadline=req.arrival_s + req.e2e_slo_s if req.e2e_slo_s is not None else None,
+            ttft_deadline=req.arrival_s + req.ttft_slo_s if req.ttft_slo_s is not None else None,
+            slo_class=req.slo_class,
+            seq=len(self.jobs) + 1,
+        )
+        job = SimJob(req=req, view=view)
+        self.jobs[req.request_id] = job
+        target = self._place(job)
+        self._maybe_replan()
+        if target is not None:
+            self._feed(self.instances[target])
+
+    def _place(self, job: SimJob) -> str | None:
+        live = [inst.plan_view() for inst in self.instances.values()]
+        target = self.policy.place(job.view, live, self.queued_tokens, self.now)
+        self.queued_count += 1
+        if target is None:
+            job.queue_id = None
+            self.unassigned.append(job)
+            return None
+        self.queues[target].insert(job.req.request_id, self.policy.sort_key(job.view))
+        self.queued_tokens[target] += self.policy.work_tokens(job.view)
+        job.queue_id = target
+        return target
+
+    def _feed(self, inst: SimInstance) -> None:
+        """The agent's pull: dispatch the head of the virtual queue while the engine wants it."""
+        queue = self.queues[inst.instance_id]
+        want = inst.wants()
+        if want <= 0 or not len(queue):
+            return
+        if self.config.lso.slo_pull:
+            self._feed_gated(inst, queue, want)
+            return
+        batch: list[SimJob] = []
+        while want > 0 and len(queue):
+            job = self.jobs[queue.pop()]
+            self.queued_tokens[inst.instance_id] -= self.policy.work_tokens(job.view)
+            self.queued_count -= 1
+            batch.append(job)
+            want -= 1
+        inst.enqueue(batch, self.now)
+
+    def _feed_gated(self, inst: SimInstance, queue: VirtualQueue, want: int) -> None:
+        """SLO-aware pull: walk the head of the virtual queue in plan order and pull what the
+        gate admits, re-evaluating the load after each (SABER's window over the queue head)."""
+        now = self.now
+        load = len(inst.running) + len(inst.waiting)
+        floor = inst.speed_floor()
+        batch: list[SimJob] = []
+        for rid in queue.head(PULL_WINDOW):
+            job = self.jobs[rid]
+            need = required_speed(job.view.max_tokens, job.view.deadline, now)
+            gate = SLOAdmissionGate(
+                lambda n, j=job: inst.decode_speed(n, j)  # type: ignore[misc]
+            )
+            if not gate.admits(load, need, floor):
+                continue  # SABER: later requests in the window may still fit
+            job.req_speed = 0.0 if gate.best_effort(need) else need
+            floor = max(floor, job.req_speed)
+            load += 1
+            batch.append(job)
+            if len(batch) >= want:
+                break
+        for job in batch:
+            queue.remove(job.req.request_id)
+            self.queued_tokens[inst.instance_id] -= self.policy.work_tokens(job.view)
+            self.queued_count -= 1
+        if batch:
+            inst.enqueue(batch, now)
+
+    def _step_done(self, inst: SimInstance) -> None:
+        inst.on_event(self.now)
+        if inst.evicted_out:
+            evicted, inst.evicted_out = inst.evicted_out, []
+            for job in evicted:
+                # exact resume: the request comes back as prompt + generated, for what is left
+                job.view = dataclasses.replace(
+                    job.view,
+                    prompt_tokens=job.req.prompt_tokens + job.generated,
+                    max_tokens=max(1, job.req.max_tokens - job.generated),
+                )
+                target = self._place(job)
+                if target is not None and target != inst.instance_id:
+                    self._feed(self.instances[target])
+        self._feed(inst)
+        inst.resume(self.now)
+
+    def _on_finish(self, job: SimJob, now: float) -> None:
+        self.finished += 1
+        self.last_finish = max(self.last_finish, now)
+        self.policy.observe_completion(job.req.model, job.req.slo_class, job.generated)
+
+    # ------------------------------------------------------------------ planning
+    def _maybe_replan(self) -> None:
+        now = self.now
+        if self._plan_pending or now - self._last_replan < self.config.replan_interval_s:
+            return
+        if self.queued_count < MIN_QUEUED_PER_INSTANCE * len(self.instances):
+            return
+        if not self.policy.wants_replan(now):
+            return
+        self._replan()
+
+    def _replan(self) -> None:
+        now = self.now
+        queued = [self.jobs[rid] for q in self.queues.values() for rid in q]
+        queued += self.unassigned
+        views = [inst.plan_view() for inst in self.instances.values()]
+        t0 = time.perf_counter()
+        plan = self.policy.plan([j.view for j in queued], views, now)
+        wall = time.perf_counter() - t0
+        self.replans += 1
+        self.planner_wall_s += wall
+        self._last_replan = now
+        if self.config.record_estimates:
+            for rid, t in self.policy.predicted_completions().items():
+                self._estimates.setdefault(rid, t)
+        if self.config.decision_delay:
+            self._plan_pending = True
+            self._push(now + wall, _ADOPT, plan)
+        else:
+            self._adopt(plan)
+
+    def _adopt(self, plan: Plan) -> None:
+        """The virtual queues take the plan's order; requests dispatched while it was computed
+        are skipped, and those that arrived meanwhile are placed again."""
+        self._plan_pending = False
+        queued: dict[str, SimJob] = {}
+        for q in self.queues.values():
+            for rid in q.clear():
+                queued[rid] = self.jobs[rid]
+        for job in self.unassigned:
+            queued[job.req.request_id] = job
+        self.unassigned = []
+        self.queued_tokens = dict.fromkeys(self.instances, 0.0)
+        self.queued_count = 0
+        for iid, ids in plan.queues.items():
+            entries = []
+            for rid in ids:
+                if rid not in queued:
+                    continue  # dispatched while the plan was computed
+                job = queued.pop(rid)
+                entries.append((rid, self.policy.sort_key(job.view)))
+                self.queued_tokens[iid] += self.policy.work_tokens(job.view)
+                job.queue_id = iid
+            self.queues[iid].replace(entries)
+            self.queued_count += len(entries)
+        for job in sorted(queued.values(), key=lambda j: j.view.seq):
+            self._place(job)  # unassigned by the plan, or arrived while it was computed
+        self._carry_out_lso(plan)
+        for inst in self.instances.values():
+            self._feed(inst)
+            inst.resume(self.now)
+
+    def _carry_out_lso(self, plan: Plan) -> None:
+        lso = self.config.lso
+        decisions = plan.meta.get("lso") if plan.meta else None
+        if not decisions:
+            return
+        for iid, entry in decisions.items():
+            inst = self.instances.get(iid)
+            if inst is None:
+                continue
+            if lso.warm_start:
+                inst.set_warm(list(entry.get("warm_models", [])), self.now)
+            if not (lso.eviction and entry.get("preempt_running")):
+                continue
+            head = set(entry.get("head_requests", []))
+            head_jobs = [self.jobs[r] for r in head if r in self.jobs]
+            if not head_jobs:
+                continue
+            urgent = min(j.view.effective_deadline for j in head_jobs)
+            victims = [
+                j
+                for j in inst.running
+                if j.req.request_id not in head and j.view.effective_deadline > urgent
+            ]
+            if victims:
+                mode = "swap" if lso.swap and entry.get("preemption_mode") == "swap" else "evict"
+                inst.evict(victims, mode, self.now)
+
+    # ------------------------------------------------------------------ results
+    def _result(self, wall: float) -> SimResult:
+        outcomes = []
+        for job in self.jobs.values():
+            req = job.req
+            met = job.finished_s is not None
+            if met and req.e2e_slo_s is not None:
+                met = job.finished_s - req.arrival_s <= req.e2e_slo_s  # type: ignore[operator]
+            if met and req.ttft_slo_s is not None:
+                met = (
+                    job.first_token_s is not None
+                    and job.first_token_s - req.arrival_s <= req.ttft_slo_s
+                )
+            outcomes.append(
+                RequestOutcome(
+                    request_id=req.request_id,
+                    model=req.model,
+                    slo_class=req.slo_class,
+                    arrival_s=req.arrival_s,
+                    first_token_s=job.first_token_s,
+                    finished_s=job.finished_s,
+                    met=met,
+                    evictions=job.evictions,
+                    preemptions=job.preemptions,
+                    estimated_finish_s=self._estimates.get(req.request_id),
+                )
+            )
+        # requests that never arrived before the end still count (as missed)
+        for req in self.requests[len(self.jobs) :]:
+            outcomes.append(
+                RequestOutcome(
+                    req.request_id, req.model, req.slo_class, req.arrival_s, None, None, False, 0, 0
+                )
+            )
+        end = self.now
+        stats = {}
+        for iid, inst in self.instances.items():
+            stats[iid] = {
+                "time_s": end,
+                "busy_s": inst.busy_s,
+                "loading_s": inst.loading_s,
+                "kv_token_s": inst.kv_token_s,
+                "kv_capacity": float(inst.kv_capacity),
+                "model_swaps": inst.model_swaps,
+                "cold_loads": inst.cold_loads,
+                "evictions": inst.evictions,
+                "swaps": inst.swaps,
+                "preemptions": inst.preemptions,
+                "iterations": inst.iterations,
+            }
+        return SimResult(
+            outcomes=outcomes,
+            makespan_s=self.last_finish,
+            sim_end_s=end,
+            instances=stats,
+            replans=self.replans,
+            planner_wall_s=self.planner_wall_s,
+            wall_s=wall,
+            events=self.events,
+        )

@@ -1,0 +1,412 @@
+"""Named scenarios reproducing the QLM paper's evaluation (§8, appendix A), and their targets.
+
+Every preset is an ordinary :class:`ScenarioSpec` (``qlm bench sim --scenario NAME --dump``
+prints it as YAML, so it can be edited and run with ``--file``). Constants and why they were
+chosen are in docs/simulator.md. Common ground:
+
+* GPUs are A100-80GB (the paper's testbed) unless the scenario is about heterogeneity;
+* request lengths are sampled from the ShareGPT table (prompt and output of one row), or replay
+  the Azure traces;
+* "latency-sensitive" requests have a 20 s end-to-end SLO (the paper: < 30 s); "batch" ones
+  300 s (the paper: minutes);
+* multi-model workloads use fine-tuned variants (``base@tag``): same shape as the base model,
+  distinct weights, so each is a separate model to load.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from qlm.simulator.runner import PolicyVariant
+from qlm.simulator.scenario import ScenarioSpec
+
+INTERACTIVE_SLO_S = 20.0
+BATCH_SLO_S = 300.0
+BASELINES = ["qlm", "edf", "fcfs", "shepherd"]
+
+POPULAR = ["mistral-7b@chat", "vicuna-13b@chat"]
+TAIL = ["mistral-7b@tail1", "mistral-7b@tail2", "vicuna-13b@tail3", "vicuna-13b@tail4"]
+LSO_ALL = {"eviction": True, "swap": True, "warm_start": True}
+LSO_ABLATION = [
+    ("all LSOs", LSO_ALL),
+    ("no eviction", {**LSO_ALL, "eviction": False}),
+    ("no KV swap", {**LSO_ALL, "swap": False}),
+    ("no warm start", {**LSO_ALL, "warm_start": False}),
+]
+
+
+def _stream(
+    name: str,
+    models: list[str],
+    rate: float,
+    slo_class: str,
+    slo_s: float,
+    *,
+    lengths: dict[str, Any] | None = None,
+    process: str = "poisson",
+    **extra: Any,
+) -> dict[str, Any]:
+    return {
+        "name": name,
+        "models": models,
+        "slo_class": slo_class,
+        "e2e_slo_s": slo_s,
+        "arrival": {"process": process, "rate_rps": rate},
+        "lengths": lengths or {"source": "sharegpt", "max_prompt_tokens": 4096},
+        **extra,
+    }
+
+
+def _pool(gpu: str, count: int, models: list[str], **extra: Any) -> dict[str, Any]:
+    return {"gpu": gpu, "count": count, "models": models, **extra}
+
+
+# ---------------------------------------------------------------------------- W_B single model
+def _wb_streams(total: float, interactive_share: float = 0.4, slo_scale: float = 1.0) -> list:
+    return [
+        _stream(
+            "interactive",
+            ["mistral-7b"],
+            total * interactive_share,
+            "interactive",
+            INTERACTIVE_SLO_S * slo_scale,
+        ),
+        _stream(
+            "batch",
+            ["mistral-7b"],
+            total * (1 - interactive_share),
+            "batch",
+            BATCH_SLO_S * slo_scale,
+        ),
+    ]
+
+
+WB_RATES = [4.0, 8.0, 12.0, 16.0, 20.0]
+
+
+def wb() -> dict[str, Any]:
+    return {
+        "name": "wb",
+        "description": "W_B: one model on 2 A100s, 40 % latency-sensitive (20 s) and 60 % batch "
+        "(300 s) requests, arrival rate swept from under to 2x over capacity (Figs. 11-12)",
+        "duration_s": 180,
+        "pools": [_pool("A100-80GB", 2, ["mistral-7b"])],
+        "streams": _wb_streams(WB_RATES[0]),
+        "policies": BASELINES,
+        "options": {"drain_s": 900},
+        "sweep": {
+            "parameter": "streams",
+            "label": "arrival rate (req/s)",
+            "values": [_wb_streams(r) for r in WB_RATES],
+            "variants": [f"{r:g}" for r in WB_RATES],
+        },
+    }
+
+
+def wb_ablation() -> dict[str, Any]:
+    spec = wb()
+    spec.update(
+        name="wb-ablation",
+        description="W_B in overload (16 req/s), qlm with each LSO removed in turn (Fig. 13)",
+        streams=_wb_streams(16.0),
+        policies=["qlm"],
+        sweep={
+            "parameter": "options.lso",
+            "label": "LSOs",
+            "values": [v for _, v in LSO_ABLATION],
+            "variants": [k for k, _ in LSO_ABLATION],
+        },
+    )
+    return spec
+
+
+# ---------------------------------------------------------------------------- W_A multi-model
+def _wa_streams(
+    tail_rate: float = 0.5,
+    interactive: float = 1.5,
+    batch: float = 3.0,
+    slo_scale: float = 1.0,
+    mega_rate: float = 0.0,
+) -> list[dict[str, Any]]:
+    streams = [
+        _stream("interactive", POPULAR, interactive, "interactive", INTERACTIVE_SLO_S * slo_scale),
+        _stream("batch", POPULAR, batch, "batch", BATCH_SLO_S * slo_scale),
+        _stream("tail", TAIL, tail_rate, "batch", BATCH_SLO_S * slo_scale),
+    ]
+    if mega_rate > 0:
+        streams.append(
+            _stream(
+                "mega",
+                ["vicuna-13b@chat"],
+                mega_rate,
+                "batch",
+                BATCH_SLO_S * slo_scale,
+                lengths={"source": "fixed", "prompt_tokens": 3584, "output_tokens": 512},
+            )
+        )
+    return [s for s in streams if s["arrival"]["rate_rps"] > 0]
+
+
+WA_POOLS = [_pool("A100-80GB", 4, POPULAR + TAIL)]
+WA_TAIL_RATES = [0.25, 0.5, 1.0, 2.0]
+
+
+def wa() -> dict[str, Any]:
+    return {
+        "name": "wa",
+        "description": "W_A: 6 models (4 rare 'tail' models) multiplexed on 4 A100s; "
+        "latency-sensitive (20 s) and batch (300 s) traffic to the 2 popular models, batch "
+        "traffic to the tail models, tail load swept (Fig. 8)",
+        "duration_s": 300,
+        "pools": WA_POOLS,
+        "streams": _wa_streams(),
+        "policies": BASELINES,
+        "options": {"drain_s": 1800},
+        "sweep": {
+            "parameter": "streams",
+            "label": "tail-model arrival rate (req/s)",
+            "values": [_wa_streams(tail_rate=r) for r in WA_TAIL_RATES],
+            "variants": [f"{r:g}" for r in WA_TAIL_RATES],
+        },
+    }
+
+
+WA_SHARES = [0.05, 0.1, 0.2, 0.4, 0.6]
+
+
+def wa_share() -> dict[str, Any]:
+    spec = wa()
+    total = 4.5
+    spec.update(
+        name="wa-share",
+        description="W_A with the latency-sensitive share of the popular models' 4.5 req/s "
+        "swept (Fig. 9)",
+        sweep={
+            "parameter": "streams",
+            "label": "latency-sensitive share",
+            "values": [
+                _wa_streams(interactive=total * s, batch=total * (1 - s)) for s in WA_SHARES
+            ],
+            "variants": [f"{s:.0%}" for s in WA_SHARES],
+        },
+    )
+    return spec
+
+
+def wa_ablation() -> dict[str, Any]:
+    spec = wa()
+    spec.update(
+        name="wa-ablation",
+        description="W_A (tail rate 1 req/s), qlm with each LSO removed in turn (Fig. 10)",
+        streams=_wa_streams(tail_rate=1.0),
+        policies=["qlm"],
+        sweep={
+            "parameter": "options.lso",
+            "label": "LSOs",
+            "values": [v for _, v in LSO_ABLATION],
+            "variants": [k for k, _ in LSO_ABLATION],
+        },
+    )
+    return spec
+
+
+WC_MEGA_RATES = [0.0, 0.05, 0.1, 0.2, 0.4]
+
+
+def wc() -> dict[str, Any]:
+    spec = wa()
+    spec.update(
+        name="wc",
+        description="W_C: W_A plus mega prompts (3,584 prompt + 512 output tokens on Vicuna-13B, "
+        "6 % of its KV cache each), mega-prompt rate swept (Fig. 15)",
+        sweep={
+            "parameter": "streams",
+            "label": "mega-prompt arrival rate (req/s)",
+            "values": [_wa_streams(mega_rate=r) for r in WC_MEGA_RATES],
+            "variants": [f"{r:g}" for r in WC_MEGA_RATES],
+        },
+    )
+    return spec
+
+
+WA_SLO_SCALES = [1, 3, 5, 7, 9, 11]
+
+
+def slo_scale() -> dict[str, Any]:
+    spec = wa()
+    spec.update(
+        name="slo-scale",
+        description="W_A (tail rate 1 req/s) with every SLO multiplied by 1 ... 11 (Fig. 20)",
+        sweep={
+            "parameter": "streams",
+            "label": "SLO scale",
+            "values": [_wa_streams(tail_rate=1.0, slo_scale=s) for s in WA_SLO_SCALES],
+            "variants": [f"x{s}" for s in WA_SLO_SCALES],
+        },
+    )
+    return spec
+
+
+# ---------------------------------------------------------------------------- heterogeneity
+HETERO_MODELS = ["mistral-7b@chat", "mistral-7b@code", "mistral-7b@tail1", "mistral-7b@tail2"]
+HETERO_A10 = [0, 1, 2, 3, 4, 5]  # of 6 GPUs
+
+
+def _hetero_pools(a10: int, total: int = 6) -> list[dict[str, Any]]:
+    pools = []
+    if a10:
+        pools.append(_pool("A10", a10, HETERO_MODELS, cpu_memory_gb=128))
+    if total - a10:
+        pools.append(_pool("A100-80GB", total - a10, HETERO_MODELS))
+    return pools
+
+
+def hetero() -> dict[str, Any]:
+    return {
+        "name": "hetero",
+        "description": "W_A-like traffic on 4 Mistral-7B variants over 6 GPUs, A10 share swept "
+        "0-83 %: qlm against round-robin and random placement (Fig. 14)",
+        "duration_s": 300,
+        "pools": _hetero_pools(0),
+        "streams": [
+            _stream("interactive", HETERO_MODELS[:2], 3.0, "interactive", INTERACTIVE_SLO_S),
+            _stream("batch", HETERO_MODELS[:2], 6.0, "batch", BATCH_SLO_S),
+            _stream("tail", HETERO_MODELS[2:], 1.0, "batch", BATCH_SLO_S),
+        ],
+        "policies": ["qlm", "round_robin", "random"],
+        "options": {"drain_s": 1800},
+        "sweep": {
+            "parameter": "pools",
+            "label": "A10 share of 6 GPUs",
+            "values": [_hetero_pools(k) for k in HETERO_A10],
+            "variants": [f"{k / 6:.0%}" for k in HETERO_A10],
+        },
+    }
+
+
+# ---------------------------------------------------------------------------- planner studies
+def delta() -> dict[str, Any]:
+    spec = wb()
+    spec.update(
+        name="delta",
+        description="W_B at 12 req/s, qlm with group size cap δ in {1, 2, 4, 8, 16}: SLO "
+        "attainment against planner wall time (Fig. 18)",
+        streams=_wb_streams(12.0),
+        policies=["qlm"],
+        sweep=None,
+    )
+    return spec
+
+
+def rct() -> dict[str, Any]:
+    spec = wb()
+    spec.update(
+        name="rct",
+        description="W_B at 12 req/s: the RCT estimator's completion time for each request "
+        "(at its first plan, Δ = 0.5, i.e. the mean) against the simulated one (Fig. 17)",
+        streams=_wb_streams(12.0),
+        policies=["qlm"],
+        sweep=None,
+    )
+    return spec
+
+
+def trace() -> dict[str, Any]:
+    def streams(scale: float) -> list[dict[str, Any]]:
+        out = []
+        for name, slo_class, slo, rate in (
+            ("conv", "interactive", INTERACTIVE_SLO_S, 5.38),
+            ("code", "code", 5.0, 2.45),
+        ):
+            out.append(
+                {
+                    "name": name,
+                    "models": ["mistral-7b"],
+                    "slo_class": slo_class,
+                    "e2e_slo_s": slo,
+                    "arrival": {"process": "trace", "trace": name, "rate_rps": rate * scale},
+                    "lengths": {"source": "trace"},
+                }
+            )
+        return out
+
+    scales = [1.0, 2.0, 3.0]
+    return {
+        "name": "trace",
+        "description": "Azure 2023 conversation (20 s SLO) and code (5 s SLO) traces replayed "
+        "together on 2 A100s for 10 minutes, at 1x, 2x and 3x their recorded rate",
+        "duration_s": 600,
+        "pools": [_pool("A100-80GB", 2, ["mistral-7b"])],
+        "streams": streams(1.0),
+        "policies": BASELINES,
+        "options": {"drain_s": 900},
+        "sweep": {
+            "parameter": "streams",
+            "label": "trace rate scale",
+            "values": [streams(s) for s in scales],
+            "variants": [f"x{s:g}" for s in scales],
+        },
+    }
+
+
+def scale() -> dict[str, Any]:
+    return {
+        "name": "scale",
+        "description": "simulator speed: one hour of 100 A100s serving Mistral-7B, ShareGPT "
+        "lengths, 280 req/s Poisson (about 1M requests)",
+        "duration_s": 3600,
+        "pools": [_pool("A100-80GB", 100, ["mistral-7b"])],
+        "streams": [
+            _stream("interactive", ["mistral-7b"], 84.0, "interactive", INTERACTIVE_SLO_S),
+            _stream("batch", ["mistral-7b"], 196.0, "batch", BATCH_SLO_S),
+        ],
+        "policies": ["qlm", "edf"],
+        "options": {"drain_s": 600, "replan_interval_s": 10},
+    }
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    build: Callable[[], dict[str, Any]]
+    targets: str  # what the issue asks of this scenario, for the report
+    policy_sweep: Callable[[], tuple[str, list[tuple[str, PolicyVariant]]]] | None = None
+    policy_overrides: dict[str, dict[str, Any]] = field(default_factory=dict)
+    record_estimates: bool = False
+
+    def spec(self) -> ScenarioSpec:
+        return ScenarioSpec.model_validate(self.build())
+
+
+def _delta_sweep() -> tuple[str, list[tuple[str, PolicyVariant]]]:
+    points = []
+    for d in (1, 2, 4, 8, 16):
+        points.append((str(d), PolicyVariant("qlm", "qlm", {"grouping": {"delta": float(d)}})))
+    return "group size cap δ", points
+
+
+PRESETS: dict[str, Preset] = {
+    p.name: p
+    for p in (
+        Preset("wb", wb, "overload: qlm >= fcfs + 40 points and >= edf at every load point"),
+        Preset("wb-ablation", wb_ablation, "removing each LSO lowers attainment or throughput"),
+        Preset("wa", wa, "qlm throughput >= 3x fcfs and >= edf with >= 50 % tail models"),
+        Preset("wa-share", wa_share, "(Fig. 9) attainment vs latency-sensitive share"),
+        Preset("wa-ablation", wa_ablation, "removing each LSO lowers attainment or throughput"),
+        Preset("wc", wc, "(Fig. 15) attainment with mega prompts"),
+        Preset("hetero", hetero, ">= 2x attainment or throughput of round-robin at 20-50 % A10"),
+        Preset("delta", delta, "(Fig. 18) attainment vs planner overhead", _delta_sweep),
+        Preset("slo-scale", slo_scale, "(Fig. 20) attainment vs SLO scale"),
+        Preset(
+            "rct",
+            rct,
+            "R^2 >= 0.95 between estimated and simulated completion times",
+            policy_overrides={"qlm": {"slo_quantile": 0.5}},
+            record_estimates=True,
+        ),
+        Preset("trace", trace, "Azure conv + code replay, two SLO classes"),
+        Preset("scale", scale, "1 h of 100 GPUs (>= 1M requests) in <= 5 min, <= 4 GB"),
+    )
+}

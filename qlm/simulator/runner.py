@@ -1,0 +1,259 @@
+"""Run every policy of a scenario (and every point of its sweep) and build the summary.
+
+Policies are built by a factory the caller passes in (the CLI passes ``planner.create_policy``),
+so qlm's core does not import the planner. Every policy sees the same requests (built once per
+sweep point from the scenario's seed), the same instances and the same engine model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import structlog
+
+from qlm.policy import QueuePolicy
+from qlm.simulator.cluster import ClusterSimulator, InstanceSpec, LSOSwitches, SimConfig, SimResult
+from qlm.simulator.scenario import ScenarioSpec
+from qlm.simulator.workload import SimRequest, build_requests
+
+log = structlog.get_logger(__name__)
+
+PolicyFactory = Callable[[str, Mapping[str, Any]], QueuePolicy]
+Progress = Callable[[str, float], None]
+
+SUMMARY_METRICS = (
+    "slo_attainment",
+    "throughput_rps",
+    "goodput_rps",
+    "gpu_utilisation",
+    "kv_utilisation",
+    "model_swaps",
+    "cold_loads",
+    "evictions",
+    "kv_swaps",
+    "preemptions",
+    "p50_latency_s",
+    "p99_latency_s",
+    "requests",
+    "completed",
+    "replans",
+    "planner_wall_s",
+    "sim_wall_s",
+)
+
+
+@dataclass(frozen=True)
+class PolicyVariant:
+    """One column of a run: a policy with constructor overrides, under a display name."""
+
+    label: str
+    policy: str
+    overrides: Mapping[str, Any] = field(default_factory=dict)
+
+
+def engine_model_name(spec: ScenarioSpec, name: str) -> str:
+    """The name the engine model and the planner know a scenario model by: an alias
+    ``ft -> vicuna-13b`` becomes the variant ``vicuna-13b@ft`` (same shape, its own weights)."""
+    base = spec.models.get(name)
+    if base is None:
+        return name
+    return f"{base.partition('@')[0]}@{name}"
+
+
+def scenario_requests(spec: ScenarioSpec) -> list[SimRequest]:
+    reqs = build_requests(spec)
+    if spec.models:
+        for r in reqs:
+            r.model = engine_model_name(spec, r.model)
+    return reqs
+
+
+def instance_specs(spec: ScenarioSpec) -> list[InstanceSpec]:
+    out = []
+    for pool in spec.pools:
+        name = pool.name or pool.gpu
+        for k in range(pool.count):
+            out.append(
+                InstanceSpec(
+                    instance_id=f"{name}-{k}",
+                    gpu_type=pool.gpu,
+                    models=tuple(engine_model_name(spec, m) for m in pool.models),
+                    tp=pool.tp,
+                    cpu_memory_bytes=pool.cpu_memory_gb * 1e9,
+                )
+            )
+    return out
+
+
+def sim_config(spec: ScenarioSpec, policy_name: str, policy: QueuePolicy) -> SimConfig:
+    opts = spec.options
+    lso = (
+        LSOSwitches(opts.lso.eviction, opts.lso.swap, opts.lso.warm_start)
+        if policy_name in opts.lso_policies
+        else LSOSwitches()
+    )
+    return SimConfig(
+        replan_interval_s=opts.replan_interval_s,
+        decision_delay=opts.decision_delay == "measured",
+        drain_s=opts.drain_s,
+        lso=lso,
+        static_batch=policy.static_batch_size,
+    )
+
+
+def simulate(
+    spec: ScenarioSpec,
+    variant: PolicyVariant,
+    factory: PolicyFactory,
+    requests: Sequence[SimRequest] | None = None,
+    *,
+    record_estimates: bool = False,
+    progress: Callable[[float], None] | None = None,
+) -> SimResult:
+    policy = factory(variant.policy, variant.overrides)
+    config = sim_config(spec, variant.policy, policy)
+    if record_estimates:
+        from dataclasses import replace
+
+        config = replace(config, record_estimates=True)
+    reqs = scenario_requests(spec) if requests is None else requests
+    sim = ClusterSimulator(instance_specs(spec), policy, reqs, config, progress=progress)
+    return sim.run()
+
+
+def run_scenario(
+    spec: ScenarioSpec,
+    factory: PolicyFactory,
+    *,
+    command: str = "",
+    variants: Sequence[PolicyVariant] | None = None,
+    policy_sweep: tuple[str, Sequence[tuple[str, PolicyVariant]]] | None = None,
+    record_estimates: bool = False,
+    progress: Progress | None = None,
+) -> dict[str, Any]:
+    """Every policy × every sweep point, one summary (see qlm.simulator.report for its shape).
+
+    ``variants`` defaults to ``spec.policies`` without overrides. ``policy_sweep`` =
+    (label, [(point label, variant), ...]) sweeps a policy's configuration instead of the
+    scenario (e.g. the grouping's δ): every point runs on the same requests."""
+    if variants is None:
+        variants = [PolicyVariant(p, p) for p in spec.policies]
+    summary: dict[str, Any] = {
+        "scenario": spec.name,
+        "description": spec.description,
+        "command": command,
+        "seed": spec.seed,
+        "sweep": None,
+        "policies": {},
+    }
+    scatter_x: list[float] = []
+    scatter_y: list[float] = []
+    if policy_sweep is not None:
+        label, points = policy_sweep
+        reqs = scenario_requests(spec)
+        summary["sweep"] = {
+            "parameter": label,
+            "label": label,
+            "values": [p for p, _ in points],
+            "variants": [str(p) for p, _ in points],
+        }
+        for point, variant in points:
+            result = _one(spec, variant, factory, reqs, record_estimates, progress, f"{point}")
+            _append(summary, variant.policy, result.metrics(), sweep=True)
+        return summary
+    points_spec = spec.sweep_points()
+    swept = spec.sweep is not None
+    if swept:
+        assert spec.sweep is not None
+        summary["sweep"] = {
+            "parameter": spec.sweep.parameter,
+            "label": spec.sweep.label or spec.sweep.parameter,
+            "values": list(spec.sweep.values),
+            "variants": list(spec.sweep.variants or [str(v) for v in spec.sweep.values]),
+        }
+    workloads = {}
+    for variant in variants:
+        for k, (point, pspec) in enumerate(points_spec):
+            if k not in workloads:
+                workloads[k] = scenario_requests(pspec)
+            result = _one(pspec, variant, factory, workloads[k], record_estimates, progress, point)
+            _append(summary, variant.label, result.metrics(), sweep=swept)
+            if record_estimates:
+                for o in result.outcomes:
+                    if o.estimated_finish_s is not None and o.finished_s is not None:
+                        scatter_x.append(o.estimated_finish_s - o.arrival_s)
+                        scatter_y.append(o.finished_s - o.arrival_s)
+    if record_estimates and scatter_x:
+        summary["scatter"] = {
+            "title": "RCT estimate vs simulated completion time",
+            "x_label": "estimated completion time (s after arrival)",
+            "y_label": "simulated completion time (s after arrival)",
+            "x": scatter_x,
+            "y": scatter_y,
+            "r2": r_squared(scatter_x, scatter_y),
+        }
+    return summary
+
+
+def _one(
+    spec: ScenarioSpec,
+    variant: PolicyVariant,
+    factory: PolicyFactory,
+    reqs: Sequence[SimRequest],
+    record_estimates: bool,
+    progress: Progress | None,
+    point: str,
+) -> SimResult:
+    name = f"{variant.label} {point}".strip()
+
+    def report(fraction: float) -> None:
+        if progress is not None:
+            progress(name, fraction)
+
+    result = simulate(
+        spec, variant, factory, reqs, record_estimates=record_estimates, progress=report
+    )
+    log.info(
+        "sim_run_done",
+        scenario=spec.name,
+        policy=variant.label,
+        point=point,
+        requests=len(reqs),
+        wall_s=round(result.wall_s, 2),
+        events=result.events,
+        attainment=result.metrics()["slo_attainment"],
+    )
+    return result
+
+
+def _append(summary: dict[str, Any], label: str, metrics: dict[str, Any], *, sweep: bool) -> None:
+    entry = summary["policies"].setdefault(label, {})
+    for key in SUMMARY_METRICS:
+        if sweep:
+            entry.setdefault(key, []).append(metrics[key])
+        else:
+            entry[key] = metrics[key]
+    by_class = entry.setdefault("slo_attainment_by_class", {})
+    points = len(entry["slo_attainment"]) if sweep else 1
+    for cls, value in metrics["slo_attainment_by_class"].items():
+        if sweep:
+            # a class absent at earlier points of the sweep: None there
+            by_class.setdefault(cls, [None] * (points - 1)).append(value)
+        else:
+            by_class[cls] = value
+    if sweep:
+        for values in by_class.values():
+            if len(values) < points:
+                values.append(None)  # absent at this point
+
+
+def r_squared(estimated: Sequence[float], actual: Sequence[float]) -> float:
+    """Coefficient of determination of ``actual`` by ``estimated`` (the y = x line)."""
+    x = np.asarray(estimated, dtype=float)
+    y = np.asarray(actual, dtype=float)
+    ss_res = float(((y - x) ** 2).sum())
+    ss_tot = float(((y - y.mean()) ** 2).sum())
+    return 1.0 - ss_res / ss_tot if ss_tot > 0 else float("nan")
