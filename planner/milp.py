@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -204,17 +204,36 @@ def _queue_score(p: GroupProblem, g: int, order: Sequence[int]) -> float:
     )
 
 
+class WorkClock:
+    """A deterministic stand-in for ``time.perf_counter``: every reading advances it by ``tick``
+    seconds, so a time budget becomes a fixed amount of work. The cluster simulator plans with
+    it, which makes its runs reproducible on any machine (live, the wall clock is used)."""
+
+    def __init__(self, tick: float = 1e-4) -> None:
+        self.tick = tick
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        self.now += self.tick
+        return self.now
+
+
 def local_search(
-    p: GroupProblem, queues: list[list[int]], *, deadline_s: float, max_groups: int = 400
+    p: GroupProblem,
+    queues: list[list[int]],
+    *,
+    deadline_s: float,
+    max_groups: int = 400,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> list[list[int]]:
     """Best-improvement relocation: move one group to any position of any eligible queue while
-    that raises the score; stops at a local optimum or at ``deadline_s`` (perf_counter)."""
+    that raises the score; stops at a local optimum or at ``deadline_s`` (read on ``clock``)."""
     if p.n_groups > max_groups:
         return queues
     queues = [list(q) for q in queues]
     scores = [_queue_score(p, g, q) for g, q in enumerate(queues)]
     improved = True
-    while improved and time.perf_counter() < deadline_s:
+    while improved and clock() < deadline_s:
         improved = False
         best: tuple[float, int, int, int, int] | None = None
         for src, q in enumerate(queues):
@@ -235,7 +254,7 @@ def local_search(
                         gain = _queue_score(p, dst, cand) + kept - old
                         if gain > 1e-9 and (best is None or gain > best[0]):
                             best = (gain, src, pos, dst, ins)
-                if time.perf_counter() > deadline_s:
+                if clock() > deadline_s:
                     break
         if best is not None:
             _, src, pos, dst, ins = best
@@ -255,17 +274,18 @@ def iterated_local_search(
     rounds: int = 40,
     max_groups: int = 60,
     seed: int = 0,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> list[list[int]]:
     """For small problems: perturb the best plan (move a few random groups to random eligible
     positions, seeded) and descend again; keep strict improvements. Escapes the local optima
     that one descent stops in (needed to stay within 2 % of the exact MILP on ≤ 20 groups)."""
-    best = local_search(p, queues, deadline_s=deadline_s)
+    best = local_search(p, queues, deadline_s=deadline_s, clock=clock)
     if p.n_groups > max_groups or p.n_groups < 2:
         return best
     best_score = evaluate_queues(p, best).score
     rng = np.random.default_rng(seed)
     for _ in range(rounds):
-        if time.perf_counter() > deadline_s:
+        if clock() > deadline_s:
             break
         cand = [list(q) for q in best]
         for _ in range(min(3, p.n_groups)):
@@ -275,7 +295,7 @@ def iterated_local_search(
             dsts = np.flatnonzero(p.eligible[i])
             d = int(dsts[int(rng.integers(len(dsts)))])
             cand[d].insert(int(rng.integers(len(cand[d]) + 1)), i)
-        cand = local_search(p, cand, deadline_s=deadline_s)
+        cand = local_search(p, cand, deadline_s=deadline_s, clock=clock)
         score = evaluate_queues(p, cand).score
         if score > best_score + 1e-9:
             best, best_score = cand, score

@@ -27,7 +27,7 @@ import itertools
 import math
 import time
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +38,7 @@ from scipy.stats import norm
 from planner.baselines import EDFPolicy
 from planner.milp import (
     GroupProblem,
+    WorkClock,
     evaluate_queues,
     greedy_assign,
     iterated_local_search,
@@ -68,6 +69,9 @@ class QLMConfig:
     local_search_max_groups: int = 400
     ils_max_groups: int = 60  # iterated local search (perturb + descend) up to this many groups
     solver: str = "HIGHS"
+    # "wall": budgets are wall-clock seconds (live); "work": a WorkClock, so the same inputs
+    # give the same plan on any machine (the simulator's default)
+    budget_clock: str = "wall"
     max_plan_age_s: float = 30.0
     drift_threshold: float = 4.0
     starvation_factor: float = 1.0  # overdue by more than this × own SLO: served first
@@ -77,6 +81,8 @@ class QLMConfig:
     def __post_init__(self) -> None:
         if not 0.5 <= self.slo_quantile < 1:
             raise ValueError("slo_quantile (Δ) must be in [0.5, 1)")
+        if self.budget_clock not in ("wall", "work"):
+            raise ValueError("budget_clock must be 'wall' or 'work'")
         if self.time_budget_s < 0 or self.head_groups < 1:
             raise ValueError("time_budget_s must be >= 0 and head_groups >= 1")
 
@@ -107,6 +113,9 @@ class QLMPolicy(QueuePolicy):
             cfg = replace(cfg, **overrides)
         self.config = cfg
         self.z = float(norm.ppf(cfg.slo_quantile))
+        self._clock: Callable[[], float] = (
+            WorkClock() if cfg.budget_clock == "work" else time.perf_counter
+        )
         self.estimator = RCTEstimator(OutputLengthModel(cfg.output_prior))
         # -- state kept between plans for place()/sort_key()/wants_replan()
         self._keys: dict[str, tuple[float, int]] = {}
@@ -249,7 +258,7 @@ class QLMPolicy(QueuePolicy):
         now: float,
     ) -> Plan:
         t0 = time.perf_counter()
-        budget_end = t0 + self.config.time_budget_s
+        budget_end = self._clock() + self.config.time_budget_s
         reqs = sorted(requests, key=lambda r: (r.seq, r.request_id))
         insts = sorted(instances, key=lambda i: i.instance_id)
         live = [i for i in insts if not i.draining]
@@ -325,7 +334,7 @@ class QLMPolicy(QueuePolicy):
         if not feasible:
             meta["fallback"] = "edf" if name == "edf" else None
             meta["scale_up"] = self._scale_up(
-                problem, live, time.perf_counter() + self.config.scale_up_budget_s
+                problem, live, self._clock() + self.config.scale_up_budget_s
             )
         else:
             meta["scale_up"] = {"needed": False}
@@ -461,13 +470,16 @@ class QLMPolicy(QueuePolicy):
         each step keeps its input unless it scores strictly better (never worse than the
         incumbent). Public so the exact-MILP comparison (tests, benches) runs the same code."""
         if problem.n_groups <= self.config.ils_max_groups:
-            improved = iterated_local_search(problem, incumbent, deadline_s=budget_end)
+            improved = iterated_local_search(
+                problem, incumbent, deadline_s=budget_end, clock=self._clock
+            )
         else:
             improved = local_search(
                 problem,
                 incumbent,
                 deadline_s=budget_end,
                 max_groups=self.config.local_search_max_groups,
+                clock=self._clock,
             )
         return self._rolling_horizon(problem, improved, budget_end)
 
@@ -492,7 +504,7 @@ class QLMPolicy(QueuePolicy):
         todo.sort()
         queues = [list(q) for q in queues]
         for _, g in todo[: self.config.max_milp_queues]:
-            left = budget_end - time.perf_counter()
+            left = budget_end - self._clock()
             if left < 0.03:
                 stats["skipped_budget"] += 1
                 continue
@@ -680,7 +692,7 @@ class QLMPolicy(QueuePolicy):
                 return bool(((c <= p.deadline) | ~attainable).all())
 
             k, found = 1, None
-            while k <= self.config.scale_up_max and time.perf_counter() < until:
+            while k <= self.config.scale_up_max and self._clock() < until:
                 if ok(k):
                     found = k
                     break
@@ -688,7 +700,7 @@ class QLMPolicy(QueuePolicy):
             if found is None:
                 continue
             lo = found // 2 + 1
-            while lo < found and time.perf_counter() < until:
+            while lo < found and self._clock() < until:
                 mid = (lo + found) // 2
                 if ok(mid):
                     found = mid

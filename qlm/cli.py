@@ -365,6 +365,7 @@ def _sim_policy(name: str, overrides: Any) -> Any:
         raise ValueError(f"unknown policy {name!r}; choose from {sorted(POLICIES)}")
     kwargs = dict(overrides)
     if name == "qlm":
+        kwargs.setdefault("budget_clock", "work")  # reproducible plans on any machine
         if isinstance(kwargs.get("grouping"), dict):
             kwargs["grouping"] = GroupingConfig(**kwargs["grouping"])
         return QLMPolicy(**kwargs)
@@ -413,19 +414,26 @@ def bench_sim(
         except ValueError as e:
             raise typer.BadParameter(str(e)) from e
     command = "qlm bench sim " + " ".join(sys.argv[3:]) if len(sys.argv) > 3 else ""
-    logging_settings = _settings()
-    _setup_logging(logging_settings, "bench")
-    run_sim_bench(
-        spec,
-        preset,
-        _sim_policy,
-        command=command.strip(),
-        policies=names,
-        out_dir=out,
-        json_path=json_out,
-        echo=typer.echo,
-        show_progress=progress,
-    )
+    from qlm.logging import configure_logging
+
+    # the table goes to stdout; per-run log lines only when asked for (QLM_LOG_LEVEL)
+    configure_logging(os.environ.get("QLM_LOG_LEVEL", "warning"), _settings().log_format, "bench")
+    from qlm.simulator.scenario import ScenarioError
+
+    try:
+        run_sim_bench(
+            spec,
+            preset,
+            _sim_policy,
+            command=command.strip(),
+            policies=names,
+            out_dir=out,
+            json_path=json_out,
+            echo=typer.echo,
+            show_progress=progress,
+        )
+    except ScenarioError as e:  # e.g. a malformed trace row, found when building requests
+        raise typer.BadParameter(str(e)) from e
 
 
 def main() -> None:

@@ -438,7 +438,10 @@ class ClusterSimulator:
             if inst is None:
                 continue
             if lso.warm_start:
-                inst.set_warm(list(entry.get("warm_models", [])), self.now)
+                # the plan's head model (the next to load when it differs from the resident
+                # one) stays warm too, then the others in the order the queue needs them
+                wanted = [entry.get("active_model"), *entry.get("warm_models", [])]
+                inst.set_warm([m for m in wanted if m and m != inst.active_model], self.now)
             if not (lso.eviction and entry.get("preempt_running")):
                 continue
             head = set(entry.get("head_requests", []))

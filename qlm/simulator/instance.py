@@ -166,9 +166,6 @@ class SimInstance:
     def plan_view(self) -> PlanInstance:
         """What a policy sees (cached until the instance changes)."""
         if self._view is None:
-            budget = self.cpu_memory_bytes - sum(
-                self.profiles[m].model.weight_bytes for m in self.warm
-            )
             self._view = PlanInstance(
                 instance_id=self.instance_id,
                 models=tuple(self.models),
@@ -178,7 +175,8 @@ class SimInstance:
                 active_model=self.active_model,
                 running=len(self.running),
                 warm_models=tuple(self.warm) if self.warm_start else (),
-                cpu_memory_bytes=max(0.0, budget) if self.warm_start else 0.0,
+                # the whole host budget: the plan's warm list replaces the current one
+                cpu_memory_bytes=self.cpu_memory_bytes if self.warm_start else 0.0,
             )
         return self._view
 

@@ -90,12 +90,13 @@ def wb() -> dict[str, Any]:
     return {
         "name": "wb",
         "description": "W_B: one model on 2 A100s, 40 % latency-sensitive (20 s) and 60 % batch "
-        "(300 s) requests, arrival rate swept from under to 2x over capacity (Figs. 11-12)",
-        "duration_s": 180,
+        "(300 s) requests for 10 minutes, arrival rate swept from under to 2x over capacity "
+        "(Figs. 11-12)",
+        "duration_s": 600,
         "pools": [_pool("A100-80GB", 2, ["mistral-7b"])],
         "streams": _wb_streams(WB_RATES[0]),
         "policies": BASELINES,
-        "options": {"drain_s": 900},
+        "options": {"drain_s": 1800},
         "sweep": {
             "parameter": "streams",
             "label": "arrival rate (req/s)",

@@ -174,11 +174,10 @@ def run_scenario(
             "values": list(spec.sweep.values),
             "variants": list(spec.sweep.variants or [str(v) for v in spec.sweep.values]),
         }
-    workloads = {}
+    # every point's requests first: a bad trace fails before any simulation ran
+    workloads = {k: scenario_requests(pspec) for k, (_, pspec) in enumerate(points_spec)}
     for variant in variants:
         for k, (point, pspec) in enumerate(points_spec):
-            if k not in workloads:
-                workloads[k] = scenario_requests(pspec)
             result = _one(pspec, variant, factory, workloads[k], record_estimates, progress, point)
             _append(summary, variant.label, result.metrics(), sweep=swept)
             if record_estimates:
