@@ -121,6 +121,7 @@ class QLMPolicy(QueuePolicy):
         self._keys: dict[str, tuple[float, int]] = {}
         self._index = GroupIndex()
         self._group_inst: dict[int, str] = {}
+        self._inst_groups: dict[str, set[int]] = {}  # instance -> its groups, for pruning
         self._group_last_pos: dict[int, float] = {}
         self._group_size: dict[int, int] = {}
         self._plan_len: dict[str, int] = {}
@@ -176,6 +177,7 @@ class QLMPolicy(QueuePolicy):
         if not eligible:
             return None
         self._arrivals_since_plan += 1
+        self._forget_drained_groups(load)
         ids = {i.instance_id for i in eligible}
         lightest = min(load.get(i, 0.0) for i in ids)
         work = self.work_tokens(request)
@@ -200,6 +202,19 @@ class QLMPolicy(QueuePolicy):
         return target
 
     # ------------------------------------------------------------------ place() helpers
+    def _forget_drained_groups(self, load: Mapping[str, float]) -> None:
+        """Groups on an instance whose virtual queue is empty have no queued member left:
+        forget them, so that between replans (none happen while queues stay short) the
+        groups created by arrivals do not pile up and slow every later join."""
+        drained = [iid for iid in self._inst_groups if load.get(iid, 0.0) <= 0.0]
+        for iid in drained:
+            gids = self._inst_groups.pop(iid)
+            self._index.remove_groups(gids)
+            for g in gids:
+                self._group_inst.pop(g, None)
+                self._group_last_pos.pop(g, None)
+                self._group_size.pop(g, None)
+
     def _features(self, r: PlanRequest) -> np.ndarray:
         d = r.effective_deadline
         if not math.isfinite(d):
@@ -216,6 +231,7 @@ class QLMPolicy(QueuePolicy):
         self._next_gid += 1
         self._index.add_group(model, gid, z)
         self._group_inst[gid] = instance_id
+        self._inst_groups.setdefault(instance_id, set()).add(gid)
         return gid
 
     def _check_violation(self, r: PlanRequest, target: str, last: float | None, now: float) -> None:
@@ -722,6 +738,7 @@ class QLMPolicy(QueuePolicy):
     ) -> None:
         self._keys = {}
         self._group_inst, self._group_last_pos, self._group_size = {}, {}, {}
+        self._inst_groups = {}
         self._plan_len, self._suffix_slack, self._added, self._theta = {}, {}, {}, {}
         self._completion = {}
         self._planned_at = now
@@ -758,6 +775,7 @@ class QLMPolicy(QueuePolicy):
                 continue
             g = Counter(homes.tolist()).most_common(1)[0][0]
             self._group_inst[grp.gid] = live[g].instance_id
+            self._inst_groups.setdefault(live[g].instance_id, set()).add(grp.gid)
             self._group_last_pos[grp.gid] = float(pos_of[grp.members][homes == g].max())
             self._group_size[grp.gid] = len(grp.members)
 

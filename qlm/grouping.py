@@ -195,6 +195,15 @@ class GroupIndex:
         row = centroid.reshape(1, -1)
         self._centroids[model] = row if old is None else np.vstack([old, row])
 
+    def remove_groups(self, gids: set[int]) -> None:
+        """Forget these groups (their members have all left the queues)."""
+        for model in list(self._gids):
+            keep = [k for k, g in enumerate(self._gids[model]) if g not in gids]
+            if len(keep) == len(self._gids[model]):
+                continue
+            self._gids[model] = [self._gids[model][k] for k in keep]
+            self._centroids[model] = self._centroids[model][keep]
+
     def standardise(self, model: str, features: np.ndarray) -> np.ndarray:
         scaler = self._scalers.get(model)
         if scaler is None:
