@@ -182,3 +182,40 @@ def test_runs_are_reproducible_for_every_policy(tmp_path):
         summary.pop("run")
         outs.append(summary["policies"])
     assert outs[0] == outs[1]
+
+
+def test_a_measured_profile_replaces_the_roofline_of_its_model(tmp_path):
+    from dataclasses import replace
+
+    from qlm.engine_model import get_profile, profile_to_dict
+
+    slow = replace(get_profile("A100-80GB", "mistral-7b"), prefill_mfu=0.2, source="measured:test")
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(profile_to_dict(slow)))
+    base = {**SMALL, "sweep": None, "policies": ["fcfs"], "duration_s": 30}
+    p50 = []
+    for profiles in ([], [str(path)]):
+        pools = [{**SMALL["pools"][0], "profiles": profiles}]
+        out = tmp_path / f"s{len(profiles)}.json"
+        result = runner.invoke(
+            app,
+            [
+                "bench",
+                "sim",
+                "--file",
+                str(write(tmp_path, {**base, "pools": pools})),
+                "--json",
+                str(out),
+            ],
+        )
+        assert result.exit_code == 0, result.output
+        p50.append(json.loads(out.read_text())["policies"]["fcfs"]["p50_latency_s"])
+    assert p50[1] > p50[0]  # prefill at a quarter of the fitted efficiency: slower
+    h100 = replace(get_profile("H100-80GB", "mistral-7b"), source="measured:test")
+    wrong = tmp_path / "h100.json"
+    wrong.write_text(json.dumps(profile_to_dict(h100)))
+    pools = [{**SMALL["pools"][0], "profiles": [str(wrong)]}]
+    result = runner.invoke(
+        app, ["bench", "sim", "--file", str(write(tmp_path, {**base, "pools": pools}))]
+    )
+    assert result.exit_code == 2 and "pools.0.profiles.0" in result.output

@@ -53,6 +53,8 @@ class InstanceSpec:
     models: tuple[str, ...]
     tp: int | None = None
     cpu_memory_bytes: float = 256e9
+    # measured profiles replacing the roofline one of their model (same GPU type)
+    profiles: tuple[EngineProfile, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -176,11 +178,18 @@ class ClusterSimulator:
         self.instances: dict[str, SimInstance] = {}
         cache: dict[tuple[str, str, int | None], EngineProfile] = {}
         for spec in instances:
+            measured = {p.model.name: p for p in spec.profiles}
             tp = spec.tp
             if tp is None:  # the models share one GPU group: the largest degree any needs
-                tp = max(get_profile(spec.gpu_type, m).tp for m in spec.models)
+                tp = max(
+                    measured[m].tp if m in measured else get_profile(spec.gpu_type, m).tp
+                    for m in spec.models
+                )
             profiles = {}
             for m in spec.models:
+                if m in measured:
+                    profiles[m] = measured[m]
+                    continue
                 key = (spec.gpu_type, m, tp)
                 if key not in cache:
                     cache[key] = get_profile(spec.gpu_type, m, tp=tp)

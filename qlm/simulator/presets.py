@@ -28,12 +28,14 @@ BASELINES = ["qlm", "edf", "fcfs", "shepherd"]
 
 POPULAR = ["mistral-7b@chat", "vicuna-13b@chat"]
 TAIL = ["mistral-7b@tail1", "mistral-7b@tail2", "vicuna-13b@tail3", "vicuna-13b@tail4"]
-LSO_ALL = {"eviction": True, "swap": True, "warm_start": True}
+LSO_ALL = {"eviction": True, "swap": True, "warm_start": True, "slo_pull": True}
 LSO_ABLATION = [
     ("all LSOs", LSO_ALL),
     ("no eviction", {**LSO_ALL, "eviction": False}),
     ("no KV swap", {**LSO_ALL, "swap": False}),
     ("no warm start", {**LSO_ALL, "warm_start": False}),
+    ("no SLO-aware pull", {**LSO_ALL, "slo_pull": False}),
+    ("no LSOs", dict.fromkeys(LSO_ALL, False)),
 ]
 
 

@@ -16,7 +16,7 @@ import structlog
 
 from qlm.policy import QueuePolicy
 from qlm.simulator.cluster import ClusterSimulator, InstanceSpec, LSOSwitches, SimConfig, SimResult
-from qlm.simulator.scenario import ScenarioSpec
+from qlm.simulator.scenario import ScenarioSpec, load_profile
 from qlm.simulator.workload import SimRequest, build_requests
 
 log = structlog.get_logger(__name__)
@@ -83,6 +83,7 @@ def instance_specs(spec: ScenarioSpec) -> list[InstanceSpec]:
                     models=tuple(engine_model_name(spec, m) for m in pool.models),
                     tp=pool.tp,
                     cpu_memory_bytes=pool.cpu_memory_gb * 1e9,
+                    profiles=tuple(load_profile(p) for p in pool.profiles),
                 )
             )
     return out
@@ -91,7 +92,7 @@ def instance_specs(spec: ScenarioSpec) -> list[InstanceSpec]:
 def sim_config(spec: ScenarioSpec, policy_name: str, policy: QueuePolicy) -> SimConfig:
     opts = spec.options
     lso = (
-        LSOSwitches(opts.lso.eviction, opts.lso.swap, opts.lso.warm_start)
+        LSOSwitches(opts.lso.eviction, opts.lso.swap, opts.lso.warm_start, opts.lso.slo_pull)
         if policy_name in opts.lso_policies
         else LSOSwitches()
     )

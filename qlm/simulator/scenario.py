@@ -23,7 +23,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pydantic_core import PydanticCustomError
 
 from qlm.catalog import GPUS, MODELS, ModelSpec, resolve_model
-from qlm.engine_model import InsufficientMemoryError, get_profile
+from qlm.engine_model import (
+    EngineProfile,
+    InsufficientMemoryError,
+    get_profile,
+    profile_from_dict,
+)
 from qlm.trace import AZURE_FILES
 
 log = structlog.get_logger(__name__)
@@ -33,6 +38,12 @@ _FIELD_ERROR = "scenario_field"
 
 class ScenarioError(ValueError):
     """A scenario that cannot be run; the message names the field (``streams.0.arrival: ...``)."""
+
+
+@cache
+def load_profile(path: str) -> EngineProfile:
+    """An engine profile from a JSON file (``engine_model.profile_to_dict``)."""
+    return profile_from_dict(json.loads(Path(path).read_text()))
 
 
 def _field_error(field: str, message: str) -> PydanticCustomError:
@@ -70,6 +81,27 @@ class PoolSpec(_Strict):
     tp: int | None = Field(default=None, ge=1)  # None: engine_model.get_profile picks
     cpu_memory_gb: float = Field(default=256.0, gt=0)  # host RAM: warm models and swapped KV
     name: str | None = Field(default=None, min_length=1)  # instance ids are f"{name}-{k}"
+    # Measured engine profiles (JSON written by engine_model.profile_to_dict, e.g. by
+    # `qlm profile`): each replaces the roofline profile of its model on this pool's GPUs.
+    profiles: list[str] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _profiles_match(self) -> Self:
+        for k, path in enumerate(self.profiles):
+            try:
+                profile = load_profile(path)
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                raise _field_error(f"profiles.{k}", f"{path}: {e}") from None
+            if profile.gpu.name != self.gpu:
+                raise _field_error(
+                    f"profiles.{k}", f"{path} profiles a {profile.gpu.name}, not a {self.gpu}"
+                )
+            if profile.model.name not in self.models:
+                raise _field_error(
+                    f"profiles.{k}",
+                    f"{path} profiles {profile.model.name!r}, not one of {self.models}",
+                )
+        return self
 
     @field_validator("gpu")
     @classmethod
@@ -172,6 +204,7 @@ class LSOSpec(_Strict):
     eviction: bool = True
     swap: bool = True
     warm_start: bool = True
+    slo_pull: bool = True  # the SLO-aware pull gate (qlm.admission)
 
 
 class SimOptions(_Strict):
