@@ -17,6 +17,7 @@ from qlm.simulator.presets import PRESETS, Preset
 from qlm.simulator.report import render_console_table, write_outputs
 from qlm.simulator.runner import PolicyFactory, PolicyVariant, run_scenario
 from qlm.simulator.scenario import ScenarioSpec, load_scenario
+from qlm.simulator.targets import evaluate
 
 
 def resolve(scenario: str | None, file: Path | None) -> tuple[ScenarioSpec, Preset | None]:
@@ -66,7 +67,10 @@ def run_sim_bench(
     summary["run"] = {"wall_s": round(wall, 1), "peak_rss_mb": round(peak_mb)}
     if preset is not None:
         summary["targets"] = preset.targets
+        evaluate(summary)
     echo(render_console_table(summary))
+    for check in summary.get("checks", []):
+        echo(f"[{'met ' if check['met'] else 'MISS'}] {check['target']}: {check['measured']}")
     echo(f"wall {wall:.1f} s, peak RSS {peak_mb:.0f} MB")
     if "scatter" in summary:
         echo(f"RCT estimate vs simulated completion: R^2 = {summary['scatter']['r2']:.3f}")

@@ -1,0 +1,187 @@
+"""The issue's targets for each named scenario, checked against a run's summary.
+
+Each check returns (what was required, what was measured, met?) so that ``qlm bench sim``
+prints and records misses next to the figures instead of anyone reading them off a table."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+Check = tuple[str, str, bool]
+Checker = Callable[[Mapping[str, Any]], list[Check]]
+
+
+def _series(summary: Mapping[str, Any], policy: str, key: str) -> list[Any]:
+    value = summary["policies"].get(policy, {}).get(key)
+    if value is None:
+        return []
+    return value if isinstance(value, list) else [value]
+
+
+def _labels(summary: Mapping[str, Any]) -> list[str]:
+    sweep = summary.get("sweep")
+    if not sweep:
+        return [""]
+    return [str(v) for v in sweep.get("variants") or sweep["values"]]
+
+
+def _pct(x: float | None) -> str:
+    return "–" if x is None else f"{100 * x:.1f} %"
+
+
+def check_wb(summary: Mapping[str, Any], overload_from: float = 12.0) -> list[Check]:
+    """Overload (rate >= 12 req/s; capacity is about 10): qlm >= fcfs + 40 points; qlm >= edf
+    at every load point."""
+    out: list[Check] = []
+    values = summary["sweep"]["values"] if summary.get("sweep") else []
+    qlm = _series(summary, "qlm", "slo_attainment")
+    fcfs = _series(summary, "fcfs", "slo_attainment")
+    edf = _series(summary, "edf", "slo_attainment")
+    labels = _labels(summary)
+    for k, rate in enumerate(values):
+        if k >= len(qlm):
+            break
+        if fcfs and float(rate) >= overload_from:
+            gap = qlm[k] - fcfs[k]
+            out.append(
+                (
+                    f"{labels[k]} req/s (overload): qlm >= fcfs + 40 points",
+                    f"qlm {_pct(qlm[k])}, fcfs {_pct(fcfs[k])} (+{100 * gap:.1f})",
+                    gap >= 0.40,
+                )
+            )
+        if edf:
+            out.append(
+                (
+                    f"{labels[k]} req/s: qlm >= edf",
+                    f"qlm {_pct(qlm[k])}, edf {_pct(edf[k])}",
+                    qlm[k] >= edf[k] - 1e-9,
+                )
+            )
+    return out
+
+
+def check_wa(summary: Mapping[str, Any]) -> list[Check]:
+    """4 of 6 models are tail models at every point: qlm throughput >= 3x fcfs and >= edf."""
+    out: list[Check] = []
+    qlm = _series(summary, "qlm", "throughput_rps")
+    fcfs = _series(summary, "fcfs", "throughput_rps")
+    edf = _series(summary, "edf", "throughput_rps")
+    for k, label in enumerate(_labels(summary)):
+        if k < len(qlm) and k < len(fcfs):
+            out.append(
+                (
+                    f"tail {label} req/s: qlm throughput >= 3x fcfs",
+                    f"{qlm[k]:.2f} vs {fcfs[k]:.2f} req/s ({qlm[k] / max(fcfs[k], 1e-9):.1f}x)",
+                    qlm[k] >= 3 * fcfs[k],
+                )
+            )
+        if k < len(qlm) and k < len(edf):
+            out.append(
+                (
+                    f"tail {label} req/s: qlm throughput >= edf",
+                    f"{qlm[k]:.2f} vs {edf[k]:.2f} req/s",
+                    qlm[k] >= edf[k] - 1e-9,
+                )
+            )
+    return out
+
+
+def check_hetero(summary: Mapping[str, Any]) -> list[Check]:
+    """At 20-50 % A10: >= 2x round-robin's attainment or throughput."""
+    out: list[Check] = []
+    values = summary["sweep"]["values"] if summary.get("sweep") else []
+    qlm_a = _series(summary, "qlm", "slo_attainment")
+    qlm_t = _series(summary, "qlm", "throughput_rps")
+    rr_a = _series(summary, "round_robin", "slo_attainment")
+    rr_t = _series(summary, "round_robin", "throughput_rps")
+    for k, pools in enumerate(values):
+        a10 = sum(p["count"] for p in pools if p["gpu"] == "A10")
+        total = sum(p["count"] for p in pools)
+        share = a10 / total if total else 0.0
+        if not 0.2 <= share <= 0.5 or k >= len(qlm_a) or k >= len(rr_a):
+            continue
+        ratio_a = qlm_a[k] / rr_a[k] if rr_a[k] else float("inf")
+        ratio_t = qlm_t[k] / rr_t[k] if rr_t[k] else float("inf")
+        out.append(
+            (
+                f"{share:.0%} A10: >= 2x round-robin (attainment or throughput)",
+                f"attainment {_pct(qlm_a[k])} vs {_pct(rr_a[k])} ({ratio_a:.2f}x), "
+                f"throughput {qlm_t[k]:.2f} vs {rr_t[k]:.2f} ({ratio_t:.2f}x)",
+                ratio_a >= 2 or ratio_t >= 2,
+            )
+        )
+    return out
+
+
+def check_ablation(summary: Mapping[str, Any]) -> list[Check]:
+    """Removing each LSO lowers attainment or throughput (against all LSOs, the first point)."""
+    out: list[Check] = []
+    att = _series(summary, "qlm", "slo_attainment")
+    thr = _series(summary, "qlm", "throughput_rps")
+    labels = _labels(summary)
+    if not att:
+        return out
+    for k in range(1, len(att)):
+        lower = att[k] < att[0] - 1e-9 or thr[k] < thr[0] - 1e-9
+        out.append(
+            (
+                f"{labels[k]}: lowers attainment or throughput",
+                f"attainment {_pct(att[k])} (all: {_pct(att[0])}), "
+                f"throughput {thr[k]:.2f} (all: {thr[0]:.2f}) req/s",
+                lower,
+            )
+        )
+    return out
+
+
+def check_rct(summary: Mapping[str, Any]) -> list[Check]:
+    r2 = summary.get("scatter", {}).get("r2")
+    n = len(summary.get("scatter", {}).get("x", []))
+    return [
+        (
+            "R^2 >= 0.95, estimated vs simulated completion time",
+            f"R^2 = {r2:.3f} over {n} requests" if r2 is not None else "no estimates",
+            r2 is not None and r2 >= 0.95,
+        )
+    ]
+
+
+def check_scale(summary: Mapping[str, Any]) -> list[Check]:
+    out: list[Check] = []
+    for policy, metrics in summary["policies"].items():
+        n = metrics["requests"]
+        wall = metrics["sim_wall_s"]
+        out.append(
+            (
+                f"{policy}: >= 1M requests simulated in <= 300 s",
+                f"{n:,} requests in {wall:.0f} s",
+                n >= 1_000_000 and wall <= 300,
+            )
+        )
+    peak = summary.get("run", {}).get("peak_rss_mb")
+    if peak is not None:
+        out.append(("peak memory <= 4 GB", f"{peak:,} MB", peak <= 4096))
+    return out
+
+
+CHECKS: dict[str, Checker] = {
+    "wb": check_wb,
+    "wa": check_wa,
+    "hetero": check_hetero,
+    "wa-ablation": check_ablation,
+    "wb-ablation": check_ablation,
+    "rct": check_rct,
+    "scale": check_scale,
+}
+
+
+def evaluate(summary: dict[str, Any]) -> None:
+    """Add ``checks`` (every target) and ``misses`` (the ones not met) to a summary."""
+    checker = CHECKS.get(summary.get("scenario", ""))
+    if checker is None:
+        return
+    checks = checker(summary)
+    summary["checks"] = [{"target": t, "measured": m, "met": ok} for t, m, ok in checks]
+    summary["misses"] = [f"{t}: {m}" for t, m, ok in checks if not ok]
