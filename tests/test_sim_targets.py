@@ -1,0 +1,72 @@
+"""The target checks of the named scenarios, on hand-made summaries."""
+
+from __future__ import annotations
+
+from qlm.simulator.targets import evaluate
+
+
+def test_wb_overload_gap_and_edf_at_every_point():
+    summary = {
+        "scenario": "wb",
+        "sweep": {"values": [4.0, 16.0], "variants": ["4", "16"]},
+        "policies": {
+            "qlm": {"slo_attainment": [0.9, 0.8]},
+            "fcfs": {"slo_attainment": [0.9, 0.3]},
+            "edf": {"slo_attainment": [0.95, 0.2]},
+        },
+    }
+    evaluate(summary)
+    met = {c["target"]: c["met"] for c in summary["checks"]}
+    assert met == {
+        "4 req/s: qlm >= edf": False,
+        "16 req/s (overload): qlm >= fcfs + 40 points": True,
+        "16 req/s: qlm >= edf": True,
+    }
+    assert summary["misses"] == ["4 req/s: qlm >= edf: qlm 90.0 %, edf 95.0 %"]
+
+
+def test_ablation_needs_each_removal_to_cost_something():
+    summary = {
+        "scenario": "wa-ablation",
+        "sweep": {"values": [{}, {}, {}], "variants": ["all LSOs", "no eviction", "no swap"]},
+        "policies": {
+            "qlm": {"slo_attainment": [0.8, 0.7, 0.8], "throughput_rps": [2.0, 2.0, 2.0]},
+        },
+    }
+    evaluate(summary)
+    assert [c["met"] for c in summary["checks"]] == [True, False]
+
+
+def test_hetero_checks_only_the_mixed_clusters():
+    def pools(a10: int) -> list[dict]:
+        return [{"gpu": "A10", "count": a10}, {"gpu": "A100-80GB", "count": 6 - a10}]
+
+    summary = {
+        "scenario": "hetero",
+        "sweep": {"values": [pools(0), pools(2), pools(3), pools(5)]},
+        "policies": {
+            "qlm": {"slo_attainment": [0.9, 0.8, 0.6, 0.2], "throughput_rps": [5, 5, 4, 2]},
+            "round_robin": {
+                "slo_attainment": [0.9, 0.3, 0.4, 0.1],
+                "throughput_rps": [5, 4, 3, 1],
+            },
+        },
+    }
+    evaluate(summary)
+    assert [c["met"] for c in summary["checks"]] == [True, False]  # 33 % and 50 % A10 only
+
+
+def test_scale_and_rct():
+    summary = {
+        "scenario": "scale",
+        "policies": {"edf": {"requests": 1_000_001, "sim_wall_s": 250.0}},
+        "run": {"peak_rss_mb": 5000},
+    }
+    evaluate(summary)
+    assert [c["met"] for c in summary["checks"]] == [True, False]
+    rct = {"scenario": "rct", "policies": {}, "scatter": {"x": [1, 2], "r2": 0.97}}
+    evaluate(rct)
+    assert rct["misses"] == []
+    other = {"scenario": "trace", "policies": {}}
+    evaluate(other)
+    assert "checks" not in other
