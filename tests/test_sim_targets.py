@@ -8,7 +8,7 @@ from qlm.simulator.targets import evaluate
 def test_wb_overload_gap_and_edf_at_every_point():
     summary = {
         "scenario": "wb",
-        "sweep": {"values": [4.0, 16.0], "variants": ["4", "16"]},
+        "sweep": {"values": [[{"stream": 1}], [{"stream": 2}]], "variants": ["4", "16"]},
         "policies": {
             "qlm": {"slo_attainment": [0.9, 0.8]},
             "fcfs": {"slo_attainment": [0.9, 0.3]},

@@ -39,10 +39,10 @@ def check_wb(summary: Mapping[str, Any], overload_from: float = 12.0) -> list[Ch
     fcfs = _series(summary, "fcfs", "slo_attainment")
     edf = _series(summary, "edf", "slo_attainment")
     labels = _labels(summary)
-    for k, rate in enumerate(values):
+    for k in range(len(values)):
         if k >= len(qlm):
             break
-        if fcfs and float(rate) >= overload_from:
+        if fcfs and float(labels[k]) >= overload_from:  # the labels are the rates
             gap = qlm[k] - fcfs[k]
             out.append(
                 (
@@ -182,6 +182,10 @@ def evaluate(summary: dict[str, Any]) -> None:
     checker = CHECKS.get(summary.get("scenario", ""))
     if checker is None:
         return
-    checks = checker(summary)
+    try:
+        checks = checker(summary)
+    except (KeyError, TypeError, ValueError, IndexError) as e:  # never lose a run's figures
+        summary["misses"] = [f"target check failed: {e!r}"]
+        return
     summary["checks"] = [{"target": t, "measured": m, "met": ok} for t, m, ok in checks]
     summary["misses"] = [f"{t}: {m}" for t, m, ok in checks if not ok]
