@@ -401,11 +401,18 @@ class QLMPolicy(QueuePolicy):
             sel = priced.model_idx == m
             if not sel.any():
                 continue
-            ctx = float(priced.prompt[sel].mean() + priced.out_mean[sel].mean() / 2)
+            prompt, output = float(priced.prompt[sel].mean()), float(priced.out_mean[sel].mean())
+            ctx = prompt + output / 2
+            ratio = prompt / max(output, 1.0)
             for g, inst in enumerate(live):
                 if serve[m, g]:
                     out[(g, m)] = self.estimator.profile(
-                        inst.gpu_type, model, inst.kv_capacity_tokens, inst.max_batch_size, ctx
+                        inst.gpu_type,
+                        model,
+                        inst.kv_capacity_tokens,
+                        inst.max_batch_size,
+                        ctx,
+                        ratio,
                     )
         return out
 
@@ -604,15 +611,18 @@ class QLMPolicy(QueuePolicy):
             for m in ms:
                 sel = mi == m
                 # Θ at the batch this queue's mix of this model actually forms (its mean context,
-                # at most as many sequences as it holds), not the cluster-wide typical batch
-                ctx = float(priced.prompt[q][sel].mean() + priced.out_mean[q][sel].mean() / 2)
+                # at most as many sequences as it holds plus those already running), not the
+                # cluster-wide typical batch
+                prompt = float(priced.prompt[q][sel].mean())
+                output = float(priced.out_mean[q][sel].mean())
                 inst = live[g]
                 p = self.estimator.profile(
                     inst.gpu_type,
                     models[int(m)],
                     inst.kv_capacity_tokens,
-                    max(1, min(inst.max_batch_size, int(sel.sum()))),
-                    ctx,
+                    max(1, min(inst.max_batch_size, inst.running + int(sel.sum()))),
+                    prompt + output / 2,
+                    prompt / max(output, 1.0),
                 )
                 theta[sel], pi[sel], tt[sel] = p.throughput_tps, p.prefill_tps, p.token_time_s
                 pf[sel], ps[sel] = p.prefill_fixed_s, p.prefill_s_per_token

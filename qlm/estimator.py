@@ -120,11 +120,18 @@ def typical_batch(profile: EngineProfile, kv_capacity: int, max_batch: int, ctx:
 
 @lru_cache(maxsize=4096)
 def hardware_profile(
-    gpu_type: str, model: str, kv_capacity: int, max_batch: int, ctx: int
+    gpu_type: str, model: str, kv_capacity: int, max_batch: int, ctx: int, prompt_ratio: float = 0.0
 ) -> HardwareProfile:
     """Derive the §6 constants from the engine model at a typical batch of ``ctx``-token
     sequences (``ctx`` = mean prompt + half the mean output, as a sequence is on average half
-    way through its decode)."""
+    way through its decode).
+
+    ``prompt_ratio`` is the workload's prompt tokens per output token. With continuous batching
+    the prefills of the requests that replace finished ones run inside the decode batch: in
+    steady state ``b / mean output`` requests finish per iteration and as many prompts are
+    prefilled, so each iteration carries ``b · prompt_ratio`` prefill tokens. ε includes them,
+    as an ε measured on the workload (the paper's profiling) would; Θ stays the decode rate,
+    since the waiting time already prices prompt tokens at 1/Π (eq. 2)."""
     ep = engine_profile(gpu_type, model)
     kv = kv_capacity if kv_capacity > 0 else ep.kv_capacity_tokens
     b = typical_batch(ep, kv, max_batch, ctx)
@@ -132,6 +139,7 @@ def hardware_profile(
     itb = ep.decode_iteration_time(b, ctx)
     p_small, p_big = ep.prefill_time(1), ep.prefill_time(ep.max_num_batched_tokens)
     per_token = (p_big - p_small) / max(ep.max_num_batched_tokens - 1, 1)
+    interleaved = b * max(prompt_ratio, 0.0) * p_big / ep.max_num_batched_tokens
     return HardwareProfile(
         gpu_type=gpu_type,
         model=model,
@@ -139,7 +147,7 @@ def hardware_profile(
         prefill_fixed_s=max(p_small - per_token, 0.0),
         prefill_s_per_token=per_token,
         decode_token_s=it1,
-        inefficiency=itb / it1,
+        inefficiency=(itb + interleaved) / it1,
         throughput_tps=b / itb,
         prefill_tps=ep.max_num_batched_tokens / p_big,
         kv_capacity_tokens=kv,
@@ -325,9 +333,17 @@ class RCTEstimator:
 
     @staticmethod
     def profile(
-        gpu_type: str, model: str, kv_capacity: int, max_batch: int, ctx: float
+        gpu_type: str,
+        model: str,
+        kv_capacity: int,
+        max_batch: int,
+        ctx: float,
+        prompt_ratio: float = 0.0,
     ) -> HardwareProfile:
-        return hardware_profile(gpu_type, model, kv_capacity, max_batch, bucket_ctx(ctx))
+        """``prompt_ratio``: prompt tokens per output token of the requests priced (0: the
+        prefills of later arrivals are not counted in the per-token time)."""
+        ratio = round(prompt_ratio, 1) if prompt_ratio < 10 else float(round(prompt_ratio))
+        return hardware_profile(gpu_type, model, kv_capacity, max_batch, bucket_ctx(ctx), ratio)
 
     @staticmethod
     def group_moments_array(

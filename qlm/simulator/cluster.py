@@ -399,7 +399,7 @@ class ClusterSimulator:
         self._last_replan = now
         if self.config.record_estimates:
             for rid, t in self.policy.predicted_completions().items():
-                self._estimates.setdefault(rid, t)
+                self._estimates[rid] = t  # the latest plan before it was dispatched
         if self.config.decision_delay:
             self._plan_pending = True
             self._push(now + wall, _ADOPT, plan)
