@@ -52,7 +52,7 @@ def run_sim_bench(
     names = policies or list(spec.policies)
     variants = [PolicyVariant(p, p, overrides.get(p, {})) for p in names]
     started = time.perf_counter()
-    with _progress(show_progress) as progress:
+    with _ProgressBar(show_progress) as progress:
         summary = run_scenario(
             spec,
             factory,
@@ -80,7 +80,7 @@ def run_sim_bench(
     return summary
 
 
-class _progress:
+class _ProgressBar:
     """A rich progress bar on stderr, one task per simulated run (quiet when not a TTY)."""
 
     def __init__(self, enabled: bool) -> None:

@@ -246,7 +246,7 @@ class ClusterSimulator:
             t_arrival = reqs[i].arrival_s if i < n else math.inf
             t_event = self._heap[0][0] if self._heap else math.inf
             t = min(t_arrival, t_event)
-            if t > end or (i >= n and self.finished + self._dropped() >= n):
+            if t > end or (i >= n and self.finished >= n):
                 break
             self.now = t
             self.events += 1
@@ -270,9 +270,6 @@ class ClusterSimulator:
         if self._progress is not None:
             self._progress(1.0)
         return self._result(time.perf_counter() - started)
-
-    def _dropped(self) -> int:
-        return 0  # no admission control drops requests in the simulator
 
     # ------------------------------------------------------------------ coordinator rules
     def _arrive(self, req: SimRequest) -> None:

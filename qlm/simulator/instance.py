@@ -175,8 +175,9 @@ class SimInstance:
                 active_model=self.active_model,
                 running=len(self.running),
                 warm_models=tuple(self.warm) if self.warm_start else (),
-                # the whole host budget: the plan's warm list replaces the current one
-                cpu_memory_bytes=self.cpu_memory_bytes if self.warm_start else 0.0,
+                # the whole host budget (warm models and swapped KV): the plan's warm list
+                # replaces the current one
+                cpu_memory_bytes=self.cpu_memory_bytes,
             )
         return self._view
 
@@ -221,10 +222,6 @@ class SimInstance:
         if self.kv_used > KV_SATURATED_FRACTION * self.kv_capacity:
             return 0
         return max(0, min(WANTS_AT_MOST, self.max_batch - len(self.running)))
-
-    @property
-    def idle(self) -> bool:
-        return self._busy_until is None
 
     # ------------------------------------------------------------------ inputs
     def enqueue(self, jobs: list[SimJob], now: float) -> None:

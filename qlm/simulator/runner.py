@@ -8,7 +8,7 @@ sweep point from the scenario's seed), the same instances and the same engine mo
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -117,8 +117,6 @@ def simulate(
     policy = factory(variant.policy, variant.overrides)
     config = sim_config(spec, variant.policy, policy)
     if record_estimates:
-        from dataclasses import replace
-
         config = replace(config, record_estimates=True)
     reqs = scenario_requests(spec) if requests is None else requests
     sim = ClusterSimulator(instance_specs(spec), policy, reqs, config, progress=progress)
