@@ -108,12 +108,12 @@ def wb() -> dict[str, Any]:
     }
 
 
-def wb_ablation() -> dict[str, Any]:
-    spec = wb()
+def _ablation(spec: dict[str, Any], name: str, description: str, streams: list) -> dict:
+    """qlm alone, with each LSO removed in turn (then all of them)."""
     spec.update(
-        name="wb-ablation",
-        description="W_B in overload (16 req/s), qlm with each LSO removed in turn (Fig. 13)",
-        streams=_wb_streams(16.0),
+        name=name,
+        description=description,
+        streams=streams,
         policies=["qlm"],
         sweep={
             "parameter": "options.lso",
@@ -123,6 +123,15 @@ def wb_ablation() -> dict[str, Any]:
         },
     )
     return spec
+
+
+def wb_ablation() -> dict[str, Any]:
+    return _ablation(
+        wb(),
+        "wb-ablation",
+        "W_B in overload (16 req/s), qlm with each LSO removed in turn (Fig. 13)",
+        _wb_streams(16.0),
+    )
 
 
 # ---------------------------------------------------------------------------- W_A multi-model
@@ -199,20 +208,12 @@ def wa_share() -> dict[str, Any]:
 
 
 def wa_ablation() -> dict[str, Any]:
-    spec = wa()
-    spec.update(
-        name="wa-ablation",
-        description="W_A (tail rate 1 req/s), qlm with each LSO removed in turn (Fig. 10)",
-        streams=_wa_streams(tail_rate=1.0),
-        policies=["qlm"],
-        sweep={
-            "parameter": "options.lso",
-            "label": "LSOs",
-            "values": [v for _, v in LSO_ABLATION],
-            "variants": [k for k, _ in LSO_ABLATION],
-        },
+    return _ablation(
+        wa(),
+        "wa-ablation",
+        "W_A (tail rate 1 req/s), qlm with each LSO removed in turn (Fig. 10)",
+        _wa_streams(tail_rate=1.0),
     )
-    return spec
 
 
 WC_MEGA_RATES = [0.0, 0.05, 0.1, 0.2, 0.4]
