@@ -13,6 +13,18 @@ import sys
 import structlog
 
 
+class _CurrentStderr:
+    """Writes to whatever ``sys.stderr`` is when a line is logged, not when logging was set up:
+    loggers are cached on first use, and an in-process CLI run (tests, notebooks) swaps
+    ``sys.stderr`` for a buffer it closes afterwards."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
 def configure_logging(level: str = "info", fmt: str = "json", component: str | None = None) -> None:
     lvl = getattr(logging, level.upper(), logging.INFO)
     renderer: structlog.typing.Processor = (
@@ -29,7 +41,7 @@ def configure_logging(level: str = "info", fmt: str = "json", component: str | N
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(lvl),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(file=_CurrentStderr()),  # type: ignore[arg-type]
         cache_logger_on_first_use=True,
     )
     if component:
