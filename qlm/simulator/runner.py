@@ -160,8 +160,8 @@ def run_scenario(
             "variants": [str(p) for p, _ in points],
         }
         for point, variant in points:
-            result = _one(spec, variant, factory, reqs, record_estimates, progress, f"{point}")
-            _append(summary, variant.policy, result.metrics(), sweep=True)
+            _, metrics = _one(spec, variant, factory, reqs, record_estimates, progress, point)
+            _append(summary, variant.policy, metrics, sweep=True)
         return summary
     points_spec = spec.sweep_points()
     swept = spec.sweep is not None
@@ -177,8 +177,10 @@ def run_scenario(
     workloads = {k: scenario_requests(pspec) for k, (_, pspec) in enumerate(points_spec)}
     for variant in variants:
         for k, (point, pspec) in enumerate(points_spec):
-            result = _one(pspec, variant, factory, workloads[k], record_estimates, progress, point)
-            _append(summary, variant.label, result.metrics(), sweep=swept)
+            result, metrics = _one(
+                pspec, variant, factory, workloads[k], record_estimates, progress, point
+            )
+            _append(summary, variant.label, metrics, sweep=swept)
             if record_estimates:
                 for o in result.outcomes:
                     if o.estimated_finish_s is not None and o.finished_s is not None:
@@ -204,7 +206,8 @@ def _one(
     record_estimates: bool,
     progress: Progress | None,
     point: str,
-) -> SimResult:
+) -> tuple[SimResult, dict[str, Any]]:
+    """One simulation, and its summary figures (computed once: they sort every latency)."""
     name = f"{variant.label} {point}".strip()
 
     def report(fraction: float) -> None:
@@ -214,6 +217,7 @@ def _one(
     result = simulate(
         spec, variant, factory, reqs, record_estimates=record_estimates, progress=report
     )
+    metrics = result.metrics()
     log.info(
         "sim_run_done",
         scenario=spec.name,
@@ -222,9 +226,9 @@ def _one(
         requests=len(reqs),
         wall_s=round(result.wall_s, 2),
         events=result.events,
-        attainment=result.metrics()["slo_attainment"],
+        attainment=metrics["slo_attainment"],
     )
-    return result
+    return result, metrics
 
 
 def _append(summary: dict[str, Any], label: str, metrics: dict[str, Any], *, sweep: bool) -> None:
