@@ -8,8 +8,11 @@ talks to this interface, so everything above it is tested on the sim backend.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Literal
+
+ModelState = Literal["active", "warm", "cold"]
 
 
 @dataclass
@@ -24,12 +27,18 @@ class EngineRequest:
     seed: int | None = None
     ignore_eos: bool = False
     priority: int = 0
+    # Exact resume after an eviction: the tokens this request already generated in an earlier
+    # attempt. The engine continues after them (prompt + resume ids as its prompt, max_tokens -
+    # len(resume ids) new tokens) and reports them as the start of ``output_token_ids``, so the
+    # output equals an uninterrupted run's (greedy sampling).
+    resume_token_ids: list[int] = field(default_factory=list)
+    deadline: float | None = None  # unix s by which the request should finish (None: none)
 
 
 @dataclass
 class EngineOutput:
     request_id: str
-    output_token_ids: list[int]
+    output_token_ids: list[int]  # includes the request's resume_token_ids
     output_text: str
     finish_reason: str  # "length" | "stop" | "abort"
     prompt_tokens: int
@@ -38,6 +47,9 @@ class EngineOutput:
     finished_at: float
     preemptions: int = 0
     error: str | None = None  # set when the engine failed this request
+    # with ``error``: the failure was the engine's (it died or restarted), not the request's,
+    # so the request is requeued (with its output so far) instead of answered with an error
+    retryable: bool = False
 
 
 @dataclass
@@ -49,6 +61,19 @@ class EngineStats:
     kv_capacity_tokens: int
     tokens_per_s: float
     in_flight: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class EngineCapabilities:
+    """What a backend can do beyond serving, detected when it starts. The planner's LSOs fall
+    back when one is missing: no ``sleep_mode`` -> model switches are cold loads, no
+    ``kv_offload`` -> evictions recompute. ``notes`` says why something is off."""
+
+    exact_resume: bool = True  # abort() returns the generated ids and resume_token_ids work
+    prefix_caching: bool = False  # a resumed request's earlier KV blocks are reused
+    kv_offload: bool = False  # evicted requests' KV is kept in host memory and reloaded
+    sleep_mode: bool = False  # a model can sleep in host memory (level 1) and wake fast
+    notes: tuple[str, ...] = ()
 
 
 OutputCallback = Callable[[EngineOutput], Awaitable[None]]
@@ -82,10 +107,20 @@ class EngineBackend(ABC):
 
     @abstractmethod
     async def abort(self, request_id: str) -> list[int]:
-        """Stop a request; return the token ids it generated so far."""
+        """Stop a request and return its output token ids so far (resume ids included); no
+        output is reported for it afterwards. Unknown or finished ids return []."""
 
     @abstractmethod
     def stats(self) -> EngineStats: ...
+
+    def capabilities(self) -> EngineCapabilities:
+        return EngineCapabilities()
+
+    async def set_model_states(self, states: Mapping[str, ModelState]) -> None:
+        """Carry out the plan's model placement: the ``active`` model resident (loaded and
+        awake), ``warm`` ones kept ready in host memory, ``cold`` ones released. Models not
+        named keep their state. A backend without the mechanism ignores what it cannot do."""
+        return None
 
     def set_capacity_listener(self, listener: Callable[[], None]) -> None:
         """Register a callback the engine calls when ``wants()`` may have grown (it admitted
