@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import time
 import uuid
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,15 +22,20 @@ from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractRobus
 from pydantic import ValidationError
 
 from agents.engine import EngineBackend, EngineOutput, EngineRequest
+from qlm.admission import SLOAdmissionGate, required_speed
 from qlm.control import (
     Completion,
     Dispatch,
+    Evict,
+    Evicted,
     Failure,
     Goodbye,
     Heartbeat,
     InstanceInfo,
     InstanceStatus,
+    ModelPlan,
     Pull,
+    to_agent_adapter,
 )
 from qlm.topology import (
     CONTROL_EXCHANGE,
@@ -41,6 +47,8 @@ from qlm.types import CONTENT_TYPE
 
 log = structlog.get_logger(__name__)
 
+GATE_WINDOW = 8  # SABER looks this far into the dispatched requests it holds back
+
 
 @dataclass
 class HostedInstance:
@@ -48,6 +56,17 @@ class HostedInstance:
     engine: EngineBackend
     owed: int = 0  # credit granted to the coordinator and not yet used by a dispatch
     dispatches: dict[str, Dispatch] = field(default_factory=dict)  # request_id -> dispatch
+    # With the SLO admission gate: dispatched requests held back until the gate admits them
+    # (in dispatch order = the virtual queue's), those that can no longer meet their deadline
+    # (best effort, served only when no other waits), and the frozen required speed of each
+    # request in the engine.
+    held: deque[EngineRequest] = field(default_factory=deque)
+    best_effort: deque[EngineRequest] = field(default_factory=deque)
+    frozen_speed: dict[str, float] = field(default_factory=dict)
+    model_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    def held_ids(self) -> list[str]:
+        return [r.request_id for r in self.held] + [r.request_id for r in self.best_effort]
 
 
 class Agent:
@@ -62,7 +81,11 @@ class Agent:
         gpu_memory_gb: float = 80.0,
         heartbeat_interval_s: float = 0.5,
         pull_interval_s: float = 0.02,
+        admission_gate: SLOAdmissionGate | None = None,
+        cpu_memory_gb: float | None = None,
     ) -> None:
+        """``admission_gate``: SABER's SLO-aware admission in front of each engine (None: a
+        dispatched request goes to the engine at once; the engine's own limits apply)."""
         self.amqp_url = amqp_url
         self.agent_id = agent_id or f"agent-{uuid.uuid4().hex[:8]}"
         self.heartbeat_interval_s = heartbeat_interval_s
@@ -79,14 +102,18 @@ class Agent:
                 models=list(engine.models),
                 kv_capacity_tokens=engine.kv_capacity_tokens,
                 max_batch_size=engine.max_batch_size,
+                cpu_memory_gb=cpu_memory_gb,
             )
             self.instances[iid] = HostedInstance(info=info, engine=engine)
         self.log = log.bind(agent_id=self.agent_id)
         self._conn: AbstractRobustConnection | None = None
         self._pub: AbstractChannel | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        self._side_tasks: set[asyncio.Task[None]] = set()
         self._wake = asyncio.Event()
         self.completed = 0
+        self.evicted = 0
+        self.admission_gate = admission_gate
 
     async def start(self) -> None:
         self._conn = await aio_pika.connect_robust(
@@ -100,6 +127,20 @@ class Agent:
         for inst in self.instances.values():
             inst.engine.set_capacity_listener(self._wake.set)
             await inst.engine.start(self._make_output_handler(inst))
+            caps = inst.engine.capabilities()
+            inst.info = inst.info.model_copy(
+                update={
+                    "capabilities": {
+                        "exact_resume": caps.exact_resume,
+                        "prefix_caching": caps.prefix_caching,
+                        "kv_offload": caps.kv_offload,
+                        "sleep_mode": caps.sleep_mode,
+                    },
+                    "capability_notes": list(caps.notes),
+                }
+            )
+            for note in caps.notes:
+                self.log.info("engine_capability_off", instance_id=inst.info.instance_id, note=note)
         await self._send_heartbeat()
         self._tasks = [
             asyncio.create_task(self._heartbeat_loop()),
@@ -140,47 +181,170 @@ class Agent:
             routing_key=LIVE_ROUTING_KEY if live else COORDINATOR_ROUTING_KEY,
         )
 
-    # ------------------------------------------------------------------ dispatches
+    # ------------------------------------------------------------------ orders
     async def _on_dispatch(self, message: AbstractIncomingMessage) -> None:
+        """Every coordinator order arrives here; a malformed one is logged and dropped (the
+        coordinator recovers a lost dispatch through the agent's heartbeats)."""
         async with message.process(requeue=False, ignore_processed=True):
             try:
-                d = Dispatch.model_validate_json(message.body)
+                order = to_agent_adapter.validate_json(message.body)
             except ValidationError as exc:
-                self.log.warning("bad_dispatch", error=str(exc)[:300])
+                self.log.warning("bad_order", error=str(exc)[:300])
                 return
-            inst = self.instances.get(d.instance_id)
+            inst = self.instances.get(order.instance_id)
             if inst is None:
-                self.log.warning("dispatch_for_unknown_instance", instance_id=d.instance_id)
+                self.log.warning("order_for_unknown_instance", instance_id=order.instance_id)
                 return
-            inst.owed = max(0, inst.owed - 1)
-            req = d.request
-            inst.dispatches[req.request_id] = d
-            prompt_ids = req.prompt_token_ids
-            inst.engine.submit(
-                EngineRequest(
-                    request_id=req.request_id,
-                    model=req.model,
-                    prompt_token_ids=list(prompt_ids) if prompt_ids is not None else None,
-                    prompt_tokens=req.prompt_tokens(),
-                    prompt_text=req.prompt,
-                    max_tokens=req.max_tokens,
-                    temperature=req.sampling.temperature,
-                    seed=req.sampling.seed,
-                    ignore_eos=req.sampling.ignore_eos,
-                    priority=req.priority,
-                )
+            if isinstance(order, Dispatch):
+                self._start_dispatch(inst, order)
+            elif isinstance(order, Evict):
+                await self._evict(inst, order)
+            elif isinstance(order, ModelPlan):
+                task = asyncio.create_task(self._apply_model_plan(inst, order))
+                self._side_tasks.add(task)
+                task.add_done_callback(self._side_tasks.discard)
+
+    def _start_dispatch(self, inst: HostedInstance, d: Dispatch) -> None:
+        inst.owed = max(0, inst.owed - 1)
+        req = d.request
+        inst.dispatches[req.request_id] = d
+        prompt_ids = req.prompt_token_ids
+        request = EngineRequest(
+            request_id=req.request_id,
+            model=req.model,
+            prompt_token_ids=list(prompt_ids) if prompt_ids is not None else None,
+            prompt_tokens=req.prompt_tokens(),
+            prompt_text=req.prompt,
+            max_tokens=req.max_tokens,
+            temperature=req.sampling.temperature,
+            seed=req.sampling.seed,
+            ignore_eos=req.sampling.ignore_eos,
+            priority=req.priority,
+            resume_token_ids=list(d.resume_token_ids),
+            deadline=d.deadline,
+        )
+        if self.admission_gate is None:
+            inst.engine.submit(request)
+        else:
+            inst.held.append(request)
+            self._admit(inst)
+        self._wake.set()
+
+    def _admit(self, inst: HostedInstance) -> None:
+        """SABER's admission (shared/reference/saber-cato-digest.md, A2): hand a held request
+        to the engine only if the predicted per-request speed with one more running still
+        meets its required speed and every running request's frozen one. Requests that cannot
+        make their deadline even alone are moved to the best-effort tier, served only when no
+        other request is held, and only while they slow no running request below its need."""
+        gate = self.admission_gate
+        assert gate is not None
+        now = time.time()
+        for r in list(inst.held):
+            if gate.best_effort(_need(r, now)):
+                inst.held.remove(r)
+                inst.best_effort.append(r)
+        floor = max(inst.frozen_speed.values(), default=0.0)
+        while inst.engine.wants() > 0:
+            running = len(inst.frozen_speed)
+            chosen: EngineRequest | None = None
+            for r in list(inst.held)[:GATE_WINDOW]:
+                if gate.admits(running, _need(r, now), floor):
+                    chosen = r
+                    inst.held.remove(r)
+                    break
+            if (
+                chosen is None
+                and not inst.held
+                and inst.best_effort
+                and gate.speed(running + 1) >= floor
+            ):
+                chosen = inst.best_effort.popleft()
+            if chosen is None:
+                return
+            need = _need(chosen, now)
+            inst.frozen_speed[chosen.request_id] = 0.0 if gate.best_effort(need) else need
+            floor = max(floor, inst.frozen_speed[chosen.request_id])
+            inst.engine.submit(chosen)
+
+    def _take_held(self, inst: HostedInstance, request_id: str) -> EngineRequest | None:
+        for tier in (inst.held, inst.best_effort):
+            for r in tier:
+                if r.request_id == request_id:
+                    tier.remove(r)
+                    return r
+        return None
+
+    async def _evict(self, inst: HostedInstance, order: Evict) -> None:
+        """Stop the attempt and hand its output so far back for an exact resume elsewhere or
+        later. A request that already finished (its completion is on its way) is left alone."""
+        d = inst.dispatches.get(order.request_id)
+        if d is None or d.dispatch_id != order.dispatch_id:
+            return
+        held = self._take_held(inst, order.request_id)
+        if held is not None:
+            ids = list(held.resume_token_ids)
+        else:
+            ids = await inst.engine.abort(order.request_id)
+            ids = ids or list(d.resume_token_ids)
+        if inst.dispatches.pop(order.request_id, None) is None:
+            return  # the completion won the race while the engine aborted
+        inst.frozen_speed.pop(order.request_id, None)
+        self.evicted += 1
+        self.log.info(
+            "request_evicted",
+            request_id=order.request_id,
+            instance_id=inst.info.instance_id,
+            mode=order.mode,
+            generated=len(ids),
+        )
+        await self._report(
+            Evicted(
+                agent_id=self.agent_id,
+                instance_id=inst.info.instance_id,
+                dispatch_id=d.dispatch_id,
+                request_id=order.request_id,
+                output_token_ids=ids,
+                reason=f"{order.mode}:{order.reason}",
             )
-            self._wake.set()
+        )
+        self._wake.set()
+
+    async def _apply_model_plan(self, inst: HostedInstance, plan: ModelPlan) -> None:
+        states = {m: s for m, s in plan.states.items() if m in inst.engine.models}
+        async with inst.model_lock:
+            try:
+                await inst.engine.set_model_states(states)
+                self.log.info(
+                    "model_plan_applied", instance_id=inst.info.instance_id, states=states
+                )
+            except Exception as exc:
+                self.log.warning(
+                    "model_plan_failed", instance_id=inst.info.instance_id, error=repr(exc)
+                )
 
     def _make_output_handler(self, inst: HostedInstance) -> Any:
         async def on_output(out: EngineOutput) -> None:
             d = inst.dispatches.pop(out.request_id, None)
+            inst.frozen_speed.pop(out.request_id, None)
+            if self.admission_gate is not None:
+                self._admit(inst)
             self._wake.set()
             if d is None:
                 self.log.warning("output_without_dispatch", request_id=out.request_id)
                 return
-            if out.error is not None:
-                msg: Completion | Failure = Failure(
+            msg: Completion | Failure | Evicted
+            if out.error is not None and out.retryable:
+                # the engine failed, not the request: requeue it to resume after its output
+                msg = Evicted(
+                    agent_id=self.agent_id,
+                    instance_id=inst.info.instance_id,
+                    dispatch_id=d.dispatch_id,
+                    request_id=out.request_id,
+                    output_token_ids=out.output_token_ids or list(d.resume_token_ids),
+                    reason="engine_failed",
+                )
+            elif out.error is not None:
+                msg = Failure(
                     agent_id=self.agent_id,
                     instance_id=inst.info.instance_id,
                     dispatch_id=d.dispatch_id,
@@ -206,7 +370,7 @@ class Agent:
 
         return on_output
 
-    async def _report(self, msg: Completion | Failure) -> None:
+    async def _report(self, msg: Completion | Failure | Evicted) -> None:
         """Publish with a confirm; keep trying across reconnects: a result is never dropped."""
         body = msg.model_dump_json()
         delay = 0.1
@@ -230,6 +394,10 @@ class Agent:
             self._wake.clear()
             for inst in self.instances.values():
                 want = inst.engine.wants() - inst.owed
+                if self.admission_gate is not None:
+                    self._admit(inst)
+                    # keep a window of held requests for the gate to choose from, no more
+                    want = min(want, GATE_WINDOW - len(inst.held)) if not inst.best_effort else 0
                 if want > 0:
                     inst.owed += want
                     try:
@@ -265,9 +433,16 @@ class Agent:
                     waiting=s.waiting,
                     kv_used_tokens=s.kv_used_tokens,
                     tokens_per_s=s.tokens_per_s,
-                    in_flight=s.in_flight,
+                    in_flight=s.in_flight + inst.held_ids(),
                     credit_outstanding=inst.owed,
+                    warm_models=s.warm_models,
                 )
             )
         hb = Heartbeat(agent_id=self.agent_id, sent_at=time.time(), instances=statuses)
         await self._publish(hb.model_dump_json(), live=True)
+
+
+def _need(request: EngineRequest, now: float) -> float:
+    """SABER's reqSpd: tokens still to generate over the time left to the deadline."""
+    remaining = request.max_tokens - len(request.resume_token_ids)
+    return required_speed(remaining, request.deadline, now)

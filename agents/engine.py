@@ -61,6 +61,7 @@ class EngineStats:
     kv_capacity_tokens: int
     tokens_per_s: float
     in_flight: list[str] = field(default_factory=list)
+    warm_models: list[str] | None = None  # models ready in host memory; None: not tracked
 
 
 @dataclass(frozen=True)

@@ -27,15 +27,23 @@ import asyncio
 import contextlib
 import enum
 import math
-import random
 import time
+import zlib
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import structlog
 
-from agents.engine import EngineBackend, EngineOutput, EngineRequest, EngineStats, OutputCallback
+from agents.engine import (
+    EngineBackend,
+    EngineCapabilities,
+    EngineOutput,
+    EngineRequest,
+    EngineStats,
+    ModelState,
+    OutputCallback,
+)
 from qlm.engine_model import KV_BLOCK_TOKENS, EngineProfile, get_profile
 
 log = structlog.get_logger(__name__)
@@ -61,7 +69,7 @@ class _SimRequest:
     request: EngineRequest
     prompt_len: int
     started_at: float
-    rng: random.Random
+    token_seed: int  # token i is a function of (this, i): a resumed request continues exactly
     generated: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens whose KV is in the cache
     kv_blocks: int = 0
@@ -135,7 +143,8 @@ class SimEngine(EngineBackend):
         self._kv_blocks_used = 0
         self._active_model: str | None = None
         self._loading_model: str | None = None
-        self._loaded_before: set[str] = set()
+        self._loaded_before: set[str] = set()  # models with a copy in host memory
+        self._preload: str | None = None  # the plan's next model, loaded when idle
         self._plan: dict[_SimRequest, int] = {}  # the iteration in flight
 
         self._on_output: OutputCallback | None = None
@@ -217,8 +226,13 @@ class SimEngine(EngineBackend):
             self._log.warning("sim_request_rejected", request_id=request.request_id, reason=problem)
             self._outputs.put_nowait(_error_output(request, prompt_len, now, now, problem))
             return
-        rng = random.Random(f"{self._seed}:{request.request_id}:{request.seed}")
-        sim = _SimRequest(request=request, prompt_len=prompt_len, started_at=now, rng=rng)
+        token_seed = zlib.crc32(f"{self._seed}:{request.request_id}:{request.seed}".encode())
+        sim = _SimRequest(
+            request=request, prompt_len=prompt_len, started_at=now, token_seed=token_seed
+        )
+        # an evicted request resumes like a preempted one: its earlier output is prefilled
+        # again and generation continues after it
+        sim.generated = list(request.resume_token_ids)
         self._requests[request.request_id] = sim
         self._waiting.append(sim)
         self._wakeup.set()
@@ -241,7 +255,33 @@ class SimEngine(EngineBackend):
             kv_capacity_tokens=self.kv_capacity_tokens,
             tokens_per_s=self._tokens_per_s(),
             in_flight=list(self._requests),
+            warm_models=sorted(self._loaded_before - {self._active_model}),
         )
+
+    def capabilities(self) -> EngineCapabilities:
+        return EngineCapabilities(
+            exact_resume=True,
+            prefix_caching=False,
+            kv_offload=False,
+            sleep_mode=True,
+            notes=("sim: an evicted request's KV is recomputed on resume (no KV offload)",),
+        )
+
+    async def set_model_states(self, states: Mapping[str, ModelState]) -> None:
+        """Warm models keep a host copy (the next switch to them is a warm start), cold ones
+        lose it (the next load is from disk). The active model is loaded ahead of its
+        requests when the engine is idle."""
+        for model, state in states.items():
+            if model not in self._profiles:
+                continue
+            if state == "cold" and model != self._active_model:
+                self._loaded_before.discard(model)
+            elif state == "warm":
+                self._loaded_before.add(model)
+            elif state == "active" and model != self._active_model:
+                self._loaded_before.add(model)
+                self._preload = model
+                self._wakeup.set()
 
     def wants(self) -> int:
         if self._loop_task is None or self._waiting or self._loading_model is not None:
@@ -259,6 +299,11 @@ class SimEngine(EngineBackend):
         while True:
             if not self._waiting and not self._running:
                 busy = False
+                preload, self._preload = self._preload, None
+                if preload is not None and preload != self._active_model:
+                    self._deadline = loop.time()
+                    await self._load(preload)
+                    continue
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
@@ -370,7 +415,7 @@ class SimEngine(EngineBackend):
         self._record_throughput(generated, seconds / self.time_scale)
 
     def _next_token(self, sim: _SimRequest) -> int:
-        return sim.rng.randrange(VOCAB_SIZE)
+        return _mix64(sim.token_seed, len(sim.generated)) % VOCAB_SIZE
 
     # ---- KV cache and request bookkeeping -----------------------------------------------
 
@@ -448,6 +493,8 @@ class SimEngine(EngineBackend):
             return "empty prompt"
         if request.max_tokens < 1:
             return "max_tokens must be >= 1"
+        if len(request.resume_token_ids) >= request.max_tokens:
+            return "resume_token_ids leave nothing to generate (>= max_tokens)"
         total = prompt_len + request.max_tokens
         max_context = self._profiles[request.model].model.max_context
         if total > max_context:
@@ -516,6 +563,15 @@ class SimEngine(EngineBackend):
 
     def _tokens_per_s(self) -> float:
         return self._ewma_tokens / self._ewma_seconds if self._ewma_seconds > 0 else 0.0
+
+
+def _mix64(seed: int, index: int) -> int:
+    """SplitMix64 of (seed, index): a stable pseudo-random token per position, the same in
+    every process (Python's hash() is salted per process)."""
+    z = (seed * 0x9E3779B97F4A7C15 + (index + 1) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return z ^ (z >> 31)
 
 
 def _error_output(

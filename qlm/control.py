@@ -5,7 +5,12 @@ agent's instances, so a restarted coordinator learns the fleet from the next bea
 :class:`Pull` (credit: "send me up to N more requests for this instance"), :class:`Completion`,
 :class:`Failure`, :class:`Goodbye`.
 
-Coordinator → agent (routing key ``agent.<agent_id>``): :class:`Dispatch`.
+Coordinator → agent (routing key ``agent.<agent_id>``): :class:`Dispatch`, :class:`Evict`
+(stop a running request and hand back its output so far), :class:`ModelPlan` (which models
+each instance keeps awake, warm in host memory, or releases).
+
+Agents → coordinator also: :class:`Evicted` (a request stopped before it finished, with the
+tokens it generated: the coordinator requeues it and the next attempt resumes exactly there).
 
 ``dispatch_id`` names one attempt at a request. The coordinator only accepts a completion whose
 dispatch_id is the request's current one and whose request is not yet answered; that is how a
@@ -36,6 +41,11 @@ class InstanceInfo(_Msg):
     models: list[str]
     kv_capacity_tokens: int
     max_batch_size: int
+    # what the engine can do beyond serving (EngineCapabilities: exact_resume, prefix_caching,
+    # kv_offload, sleep_mode) and why something is off; shown on the admin API
+    capabilities: dict[str, bool] = Field(default_factory=dict)
+    capability_notes: list[str] = Field(default_factory=list)
+    cpu_memory_gb: float | None = None  # host memory for warm models and swapped KV
 
 
 class InstanceStatus(_Msg):
@@ -50,6 +60,8 @@ class InstanceStatus(_Msg):
     # credit the agent granted and has not seen used: a coordinator that (re)registers the
     # instance starts from it, so no credit is stranded with a coordinator that died
     credit_outstanding: int = Field(default=0, ge=0)
+    # models whose weights are in host memory (a switch to them is a warm start); None: unknown
+    warm_models: list[str] | None = None
 
 
 class Heartbeat(_Msg):
@@ -75,6 +87,34 @@ class Dispatch(_Msg):
     submitted_at: float
     queued_at: float
     dispatched_at: float
+    # output of earlier attempts that were evicted: the engine continues after these tokens
+    # and its output starts with them (exact resume)
+    resume_token_ids: list[int] = Field(default_factory=list)
+    deadline: float | None = None  # unix s (end-to-end SLO), for the agent's admission gate
+
+
+class Evict(_Msg):
+    """Stop this attempt: the plan wants the instance for more urgent work (``mode`` "swap":
+    the KV may be kept in host memory where the engine can; "evict": it is recomputed)."""
+
+    type: Literal["evict"] = "evict"
+    instance_id: str
+    request_id: str
+    dispatch_id: str
+    mode: Literal["evict", "swap"] = "evict"
+    reason: str = "plan"
+
+
+class ModelPlan(_Msg):
+    """The plan's model placement for one instance (QLM's model warm start LSO)."""
+
+    type: Literal["model_plan"] = "model_plan"
+    instance_id: str
+    states: dict[str, Literal["active", "warm", "cold"]]
+
+
+ToAgent = Annotated[Dispatch | Evict | ModelPlan, Field(discriminator="type")]
+to_agent_adapter: TypeAdapter[ToAgent] = TypeAdapter(ToAgent)
 
 
 class Completion(_Msg):
@@ -104,6 +144,20 @@ class Failure(_Msg):
     message: str
 
 
+class Evicted(_Msg):
+    """A dispatched request stopped without finishing: evicted on the coordinator's order, or
+    its engine failed or restarted (``reason``). ``output_token_ids`` is everything generated so
+    far (earlier attempts included); the coordinator requeues the request to resume after it."""
+
+    type: Literal["evicted"] = "evicted"
+    agent_id: str
+    instance_id: str
+    dispatch_id: str
+    request_id: str
+    output_token_ids: list[int] = Field(default_factory=list)
+    reason: str = "evicted"
+
+
 class Goodbye(_Msg):
     """Graceful agent shutdown: requeue whatever the coordinator had sent it and not heard back."""
 
@@ -112,6 +166,6 @@ class Goodbye(_Msg):
 
 
 ToCoordinator = Annotated[
-    Heartbeat | Pull | Completion | Failure | Goodbye, Field(discriminator="type")
+    Heartbeat | Pull | Completion | Failure | Evicted | Goodbye, Field(discriminator="type")
 ]
 to_coordinator_adapter: TypeAdapter[ToCoordinator] = TypeAdapter(ToCoordinator)

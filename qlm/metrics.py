@@ -123,6 +123,13 @@ class CoordinatorMetrics:
             ["reason"],
             registry=r,
         )
+        self._evictions = Counter(
+            f"{namespace}_evictions",
+            "Running requests the plan evicted to resume later, by mode (evict | swap)",
+            ["mode"],
+            registry=r,
+        )
+        self._eviction_children = {m: self._evictions.labels(mode=m) for m in ("evict", "swap")}
         self._unacked = Gauge(
             f"{namespace}_unacked_deliveries",
             "Broker deliveries held unacked by this coordinator",
@@ -214,6 +221,11 @@ class CoordinatorMetrics:
             if child is None:
                 child = self._requeue_children[reason] = self._requeued.labels(reason=reason)
         child.inc()
+
+    def observe_eviction(self, mode: str) -> None:
+        child = self._eviction_children.get(mode)
+        if child is not None:
+            child.inc()
 
     def observe_plan(self, duration_s: float) -> None:
         self._replans.inc()

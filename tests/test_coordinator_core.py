@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from planner import create_policy
 from qlm.coordinator.core import CoordinatorCore, TrackState
+from qlm.policy import Plan
 from tests.builders import heartbeat, make_request
 
 
@@ -158,3 +159,103 @@ def test_duplicate_publish_rides_along_and_is_answered_once_per_producer() -> No
     assert sum(len(i.queue) for i in core.instances.values()) == 1
     # ... and one reply per distinct producer.
     assert t.reply_targets() == [("q1", "c1"), ("q2", "c2")]
+
+
+# ---------------------------------------------------------------- evictions and LSO orders
+def _dispatched(core: CoordinatorCore, **kw):  # type: ignore[no-untyped-def]
+    t = admit(core, **kw)
+    core.on_pull(t.instance_id, 1)
+    [order] = core.next_dispatches(0.0)
+    return t, order
+
+
+def _evicted(order, ids: list[int]):  # type: ignore[no-untyped-def]
+    from qlm.control import Evicted
+
+    return Evicted(
+        agent_id=order.agent_id,
+        instance_id=order.instance_id,
+        dispatch_id=order.dispatch_id,
+        request_id=order.tracked.request_id,
+        output_token_ids=ids,
+    )
+
+
+def test_evicted_request_is_requeued_to_resume_after_its_output() -> None:
+    core = core_with({"a": 1})
+    t, order = _dispatched(core, prompt_len=16, max_tokens=10)
+    assert core.on_evicted(_evicted(order, [5, 6, 7]), now=1.0) is t
+    assert t.state == TrackState.QUEUED and t.resume_token_ids == [5, 6, 7]
+    assert t.evictions == 1 and t.first_token_at == 1.0
+    # the planner sees what is left: a longer prompt, fewer tokens to generate
+    assert (t.plan_view.prompt_tokens, t.plan_view.max_tokens) == (19, 7)
+    assert t.request_id not in core.instances["a-gpu0"].running
+    core.on_pull("a-gpu0", 1)
+    [again] = core.next_dispatches(2.0)
+    assert again.tracked is t and again.dispatch_id != order.dispatch_id and t.attempts == 2
+    # a stale report for the old attempt changes nothing
+    assert core.on_evicted(_evicted(order, [5, 6, 7, 8]), now=3.0) is None
+    assert t.state == TrackState.DISPATCHED and t.resume_token_ids == [5, 6, 7]
+
+
+def test_eviction_that_lost_the_race_with_the_completion_is_ignored() -> None:
+    core = core_with({"a": 1})
+    t, order = _dispatched(core)
+    assert core.accept_result(t.request_id, order.dispatch_id) is t
+    assert core.on_evicted(_evicted(order, [1, 2]), now=1.0) is None
+    assert t.state == TrackState.ANSWERING
+
+
+def test_resume_keeps_one_token_to_generate_and_never_shrinks() -> None:
+    core = core_with({"a": 1})
+    t, order = _dispatched(core, max_tokens=4)
+    core.on_evicted(_evicted(order, [1, 2, 3, 4]), now=1.0)
+    assert t.resume_token_ids == [1, 2, 3]  # max_tokens - 1: the engine needs >= 1 to generate
+    core.on_pull("a-gpu0", 1)
+    [again] = core.next_dispatches(1.0)
+    # an engine that failed before reporting anything hands back less: the prefix stays
+    core.on_evicted(_evicted(again, []), now=2.0)
+    assert t.resume_token_ids == [1, 2, 3]
+
+
+def _plan_with_lso(core: CoordinatorCore, entry: dict[str, object]) -> Plan:
+    return Plan(plan_id="p", policy="test", queues={}, meta={"lso": {"a-gpu0": entry}})
+
+
+def test_lso_orders_evict_later_deadlines_for_an_at_risk_head_group() -> None:
+    core = core_with({"a": 1})
+    relaxed, r_order = _dispatched(core, e2e_ms=600_000)
+    urgent_running, _ = _dispatched(core, e2e_ms=1_000)
+    head = admit(core, e2e_ms=5_000)
+    entry = {
+        "active_model": "mistral-7b",
+        "preempt_running": True,
+        "head_requests": [head.request_id],
+        "preemption_mode": "swap",
+    }
+    models, evictions = core.lso_orders(_plan_with_lso(core, entry))
+    # only the running request due after the head group goes; swap falls back to evict
+    # because the instance does not report kv_offload
+    assert [(e.tracked, e.mode) for e in evictions] == [(relaxed, "evict")]
+    assert evictions[0].dispatch_id == r_order.dispatch_id
+    assert models and models[0].states == {"mistral-7b": "active"}
+    # the same plan again: nothing is sent twice
+    assert core.lso_orders(_plan_with_lso(core, entry)) == ([], [])
+    assert urgent_running.evict_requested is None
+
+
+def test_lso_orders_respect_settings_and_model_state_changes() -> None:
+    from qlm.coordinator.core import LSOSettings
+
+    core = core_with({"a": 1}, policy="edf")
+    core.lso = LSOSettings(eviction=False, warm_start=True)
+    _dispatched(core, e2e_ms=600_000)
+    head = admit(core, e2e_ms=1_000)
+    entry = {
+        "active_model": "mistral-7b",
+        "warm_models": ["llama-70b"],  # not served here: dropped
+        "preempt_running": True,
+        "head_requests": [head.request_id],
+    }
+    models, evictions = core.lso_orders(_plan_with_lso(core, entry))
+    assert evictions == [] and [m.states for m in models] == [{"mistral-7b": "active"}]

@@ -17,6 +17,7 @@ Exactly-once replies rest on three rules enforced here:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 import uuid
 from collections import OrderedDict
@@ -27,7 +28,7 @@ from typing import Any
 
 import structlog
 
-from qlm.control import Completion, Heartbeat, InstanceInfo, InstanceStatus
+from qlm.control import Completion, Evicted, Heartbeat, InstanceInfo, InstanceStatus
 from qlm.policy import Plan, PlanInstance, PlanRequest, QueuePolicy
 from qlm.types import RequestMessage
 from qlm.virtual_queue import VirtualQueue
@@ -60,6 +61,13 @@ class TrackedRequest:
     # The same request id published again (not a broker redelivery): it is not run twice;
     # its delivery is settled, and its producer answered, together with the first.
     duplicates: list[tuple[Any, str | None, str | None]] = field(default_factory=list)
+    # Exact resume: the output of evicted attempts; the next attempt continues after it.
+    resume_token_ids: list[int] = field(default_factory=list)
+    evictions: int = 0
+    # an evicted attempt produced tokens: the first came no later than this (the Evicted
+    # report's arrival); the reply's TTFT uses it, a conservative bound
+    first_token_at: float | None = None
+    evict_requested: str | None = None  # dispatch id an Evict was sent for (sent once)
 
     def reply_targets(self) -> list[tuple[str, str | None]]:
         """Distinct (reply_to, correlation_id) pairs to answer: one reply each."""
@@ -86,6 +94,7 @@ class InstanceState:
     queued_tokens: float = 0.0
     running: dict[str, str] = field(default_factory=dict)  # request_id -> dispatch_id
     last_status: InstanceStatus | None = None
+    model_states_sent: dict[str, str] = field(default_factory=dict)  # the last ModelPlan
 
     @property
     def instance_id(self) -> str:
@@ -102,6 +111,12 @@ class InstanceState:
             active_model=st.active_model if st else None,
             running=len(self.running),
             draining=self.status != "alive",
+            warm_models=(
+                tuple(st.warm_models) if st is not None and st.warm_models is not None else None
+            ),
+            cpu_memory_bytes=(
+                self.info.cpu_memory_gb * 2**30 if self.info.cpu_memory_gb is not None else None
+            ),
         )
 
 
@@ -113,6 +128,32 @@ class DispatchOrder:
     dispatch_id: str
 
 
+@dataclass(frozen=True)
+class EvictOrder:
+    """Stop a running attempt so the plan's more urgent head group gets the instance."""
+
+    tracked: TrackedRequest
+    instance_id: str
+    agent_id: str
+    dispatch_id: str
+    mode: str  # "swap" | "evict"
+
+
+@dataclass(frozen=True)
+class ModelStateOrder:
+    instance_id: str
+    agent_id: str
+    states: dict[str, str]  # model -> "active" | "warm" | "cold"
+
+
+@dataclass(frozen=True)
+class LSOSettings:
+    """Which of the plan's LSO decisions the live coordinator carries out."""
+
+    eviction: bool = True  # evict (or swap out) running requests for an at-risk head group
+    warm_start: bool = True  # tell agents which models to keep awake / warm / released
+
+
 class CoordinatorCore:
     def __init__(
         self,
@@ -120,8 +161,10 @@ class CoordinatorCore:
         *,
         heartbeat_timeout_s: float = 3.0,
         clock: Any = time.time,
+        lso: LSOSettings | None = None,
     ) -> None:
         self.policy = policy
+        self.lso = lso or LSOSettings()
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.clock = clock
         self.requests: dict[str, TrackedRequest] = {}
@@ -347,6 +390,95 @@ class CoordinatorCore:
                 moved += self.lose_instance(inst.instance_id, reason, now)
         return moved
 
+    # ---------------------------------------------------------------- evictions
+    def on_evicted(self, ev: Evicted, now: float) -> TrackedRequest | None:
+        """A running attempt stopped unfinished (evicted, or its engine failed): requeue the
+        request to resume after what it generated. Ignored unless it is the current attempt
+        (a completion may have won the race, or the instance was declared lost meanwhile)."""
+        tracked = self.requests.get(ev.request_id)
+        if (
+            tracked is None
+            or tracked.state != TrackState.DISPATCHED
+            or tracked.dispatch_id != ev.dispatch_id
+        ):
+            return None
+        self._forget_running(tracked)
+        ids = list(ev.output_token_ids)
+        if len(ids) < len(tracked.resume_token_ids) or ids[: len(tracked.resume_token_ids)] != (
+            tracked.resume_token_ids
+        ):
+            # an agent that lost the output (engine died before reporting tokens) hands back
+            # less than we had: keep the longer, consistent prefix
+            ids = tracked.resume_token_ids
+        # keep at least one token to generate: an engine needs max_tokens >= 1, and greedy
+        # decoding regenerates the dropped token identically
+        ids = ids[: max(0, tracked.request.max_tokens - 1)]
+        if ids and tracked.first_token_at is None:
+            tracked.first_token_at = now
+        tracked.resume_token_ids = ids
+        tracked.evictions += 1
+        tracked.evict_requested = None
+        base = tracked.request
+        tracked.plan_view = dataclasses.replace(
+            tracked.plan_view,
+            prompt_tokens=base.prompt_tokens() + len(ids),
+            max_tokens=base.max_tokens - len(ids),
+        )
+        self._place(tracked, now)
+        log.info(
+            "request_requeued_for_resume",
+            request_id=ev.request_id,
+            instance_id=ev.instance_id,
+            reason=ev.reason,
+            resume_tokens=len(ids),
+        )
+        return tracked
+
+    def lso_orders(self, plan: Plan) -> tuple[list[ModelStateOrder], list[EvictOrder]]:
+        """Turn the plan's LSO decisions (``plan.meta["lso"]``, from policies that make them)
+        into orders for the agents: model placement per instance (sent when it changed) and
+        evictions of running attempts that would make the head group miss its deadline. The
+        victims are those running on the instance, not in the head group, whose deadline is
+        later than the head group's most urgent one."""
+        decisions = (plan.meta or {}).get("lso") or {}
+        model_orders: list[ModelStateOrder] = []
+        evictions: list[EvictOrder] = []
+        for iid, entry in decisions.items():
+            inst = self.instances.get(iid)
+            if inst is None or inst.status != "alive":
+                continue
+            if self.lso.warm_start:
+                states = _model_states(entry, inst.info.models)
+                if states and states != inst.model_states_sent:
+                    inst.model_states_sent = states
+                    model_orders.append(ModelStateOrder(iid, inst.info.agent_id, states))
+            if not (self.lso.eviction and entry.get("preempt_running")):
+                continue
+            head = set(entry.get("head_requests", []))
+            deadlines = [
+                self.requests[r].plan_view.effective_deadline for r in head if r in self.requests
+            ]
+            if not deadlines:
+                continue
+            urgent = min(deadlines)
+            mode = "swap" if entry.get("preemption_mode") == "swap" else "evict"
+            if mode == "swap" and not inst.info.capabilities.get("kv_offload", False):
+                mode = "evict"  # the engine cannot keep KV in host memory: recompute
+            for rid, did in inst.running.items():
+                tracked = self.requests.get(rid)
+                if (
+                    tracked is None
+                    or rid in head
+                    or tracked.state != TrackState.DISPATCHED
+                    or tracked.dispatch_id != did
+                    or tracked.evict_requested == did
+                    or tracked.plan_view.effective_deadline <= urgent
+                ):
+                    continue
+                tracked.evict_requested = did
+                evictions.append(EvictOrder(tracked, iid, inst.info.agent_id, did, mode))
+        return model_orders, evictions
+
     def check_liveness(self, now: float) -> list[tuple[str, list[TrackedRequest]]]:
         lost = []
         for inst in list(self.instances.values()):
@@ -413,3 +545,15 @@ class CoordinatorCore:
             t = self.requests.get(rid)
             if t is not None:
                 yield t
+
+
+def _model_states(entry: dict[str, Any], served: list[str]) -> dict[str, str]:
+    states: dict[str, str] = {}
+    for m in entry.get("cold_models", []):
+        states[m] = "cold"
+    for m in entry.get("warm_models", []):
+        states[m] = "warm"
+    active = entry.get("active_model")
+    if active:
+        states[active] = "active"
+    return {m: s for m, s in states.items() if m in served}

@@ -29,13 +29,24 @@ from qlm.catalog import ModelCatalog
 from qlm.control import (
     Completion,
     Dispatch,
+    Evict,
+    Evicted,
     Failure,
     Goodbye,
     Heartbeat,
+    ModelPlan,
     Pull,
     to_coordinator_adapter,
 )
-from qlm.coordinator.core import CoordinatorCore, DispatchOrder, TrackedRequest, TrackState
+from qlm.coordinator.core import (
+    CoordinatorCore,
+    DispatchOrder,
+    EvictOrder,
+    LSOSettings,
+    ModelStateOrder,
+    TrackedRequest,
+    TrackState,
+)
 from qlm.coordinator.validation import InvalidRequest, parse_request
 from qlm.metrics import CoordinatorMetrics
 from qlm.policy import QueuePolicy
@@ -96,6 +107,7 @@ class Coordinator:
         heartbeat_timeout_s: float = 3.0,
         liveness_interval_s: float = 0.5,
         metrics: CoordinatorMetrics | None = None,
+        lso: LSOSettings | None = None,
     ) -> None:
         self.amqp_url = amqp_url
         self.store = store
@@ -105,7 +117,7 @@ class Coordinator:
         self.delivery_limit = delivery_limit
         self.max_body_bytes = max_body_bytes
         self.liveness_interval_s = liveness_interval_s
-        self.core = CoordinatorCore(policy, heartbeat_timeout_s=heartbeat_timeout_s)
+        self.core = CoordinatorCore(policy, heartbeat_timeout_s=heartbeat_timeout_s, lso=lso)
         self.metrics = metrics or CoordinatorMetrics()
         self._conn: AbstractRobustConnection | None = None
         self._events_conn: AbstractRobustConnection | None = None
@@ -332,14 +344,11 @@ class Coordinator:
             submitted_at=t.submitted_at,
             queued_at=t.queued_at,
             dispatched_at=t.dispatched_at or time.time(),
+            resume_token_ids=t.resume_token_ids,
+            deadline=t.plan_view.deadline,
         )
         try:
-            exchange = await self._pub.get_exchange(CONTROL_EXCHANGE, ensure=False)
-            await exchange.publish(
-                aio_pika.Message(msg.model_dump_json().encode(), content_type=CONTENT_TYPE),
-                routing_key=agent_routing_key(order.agent_id),
-                mandatory=True,  # returned if the agent's queue died with its connection
-            )
+            await self._to_agent(order.agent_id, msg.model_dump_json())
         except aio_pika.exceptions.PublishError:
             self._lost_agent(order.agent_id, "dispatch_unroutable")
             return
@@ -356,6 +365,47 @@ class Coordinator:
             instance_id=order.instance_id,
             attempts=t.attempts,
         )
+
+    async def _to_agent(self, agent_id: str, body: str) -> None:
+        assert self._pub is not None
+        exchange = await self._pub.get_exchange(CONTROL_EXCHANGE, ensure=False)
+        await exchange.publish(
+            aio_pika.Message(body.encode(), content_type=CONTENT_TYPE),
+            routing_key=agent_routing_key(agent_id),
+            mandatory=True,  # returned if the agent's queue died with its connection
+        )
+
+    async def _send_lso(self, models: list[ModelStateOrder], evictions: list[EvictOrder]) -> None:
+        """Carry out the plan's LSOs. Best effort: an order that does not arrive only leaves
+        the instance as it was (the request keeps running; the model state is resent with
+        the next plan that changes it), so nothing is lost or answered twice."""
+        for m in models:
+            body = ModelPlan(instance_id=m.instance_id, states=m.states)  # type: ignore[arg-type]
+            try:
+                await self._to_agent(m.agent_id, body.model_dump_json())
+                log.info("model_plan_sent", instance_id=m.instance_id, states=m.states)
+            except Exception as exc:
+                self.core.instances[m.instance_id].model_states_sent = {}
+                log.warning("model_plan_failed", instance_id=m.instance_id, error=repr(exc))
+        for e in evictions:
+            order = Evict(
+                instance_id=e.instance_id,
+                request_id=e.tracked.request_id,
+                dispatch_id=e.dispatch_id,
+                mode=e.mode,  # type: ignore[arg-type]
+            )
+            try:
+                await self._to_agent(e.agent_id, order.model_dump_json())
+                self.metrics.observe_eviction(e.mode)
+                log.info(
+                    "evict_sent",
+                    request_id=e.tracked.request_id,
+                    instance_id=e.instance_id,
+                    mode=e.mode,
+                )
+            except Exception as exc:
+                e.tracked.evict_requested = None
+                log.warning("evict_failed", request_id=e.tracked.request_id, error=repr(exc))
 
     def _lost_agent(self, agent_id: str, reason: str) -> None:
         now = time.time()
@@ -401,6 +451,18 @@ class Coordinator:
             self._spawn(self._complete(ctl, message))
         elif isinstance(ctl, Failure):
             self._spawn(self._fail(ctl, message))
+        elif isinstance(ctl, Evicted):
+            t = self.core.on_evicted(ctl, now)
+            if t is not None:
+                self.store.record_status(
+                    t.request_id,
+                    RequestStatus.REQUEUED,
+                    now,
+                    detail={"reason": ctl.reason, "resume_tokens": len(t.resume_token_ids)},
+                )
+                self.metrics.observe_requeue(ctl.reason)
+            await message.ack()
+            self._pump()
         elif isinstance(ctl, Goodbye):
             self._lost_agent(ctl.agent_id, "goodbye")
             await message.ack()
@@ -411,7 +473,10 @@ class Coordinator:
             log.info("duplicate_result_ignored", request_id=c.request_id, instance_id=c.instance_id)
             await ctl_msg.ack()
             return
-        outcome = slo_outcome(t, c.first_token_at, c.finished_at)
+        first_token_at = c.first_token_at
+        if t.first_token_at is not None:  # an evicted attempt produced the first tokens
+            first_token_at = min(first_token_at or t.first_token_at, t.first_token_at)
+        outcome = slo_outcome(t, first_token_at, c.finished_at)
         result = ResultMessage(
             request_id=t.request_id,
             model=t.request.model,
@@ -423,7 +488,7 @@ class Coordinator:
                 submitted=t.submitted_at,
                 queued=t.queued_at,
                 started=c.started_at,
-                first_token=c.first_token_at,
+                first_token=first_token_at,
                 finished=c.finished_at,
             ),
             slo=outcome,
@@ -439,7 +504,7 @@ class Coordinator:
             instance_id=c.instance_id,
             attempts=t.attempts,
             started_at=c.started_at,
-            first_token_at=c.first_token_at,
+            first_token_at=first_token_at,
             finished_at=c.finished_at,
             output_tokens=len(c.output_token_ids),
             slo_met=outcome.met,
@@ -677,6 +742,9 @@ class Coordinator:
         self.metrics.set_scale_up(
             (scale_up.get("recommendation") or {}) if scale_up.get("needed") else {}
         )
+        models, evictions = self.core.lso_orders(plan)
+        if models or evictions:
+            self._spawn(self._send_lso(models, evictions))
         self._pump()
         return {
             "plan_id": plan.plan_id,
@@ -686,6 +754,8 @@ class Coordinator:
             "n_instances": len(plan.queues),
             # set by policies that can tell: which GPUs to add when no plan meets the SLOs
             "scale_up": plan.meta.get("scale_up"),
+            "evictions": len(evictions),
+            "model_plans": len(models),
         }
 
     def latest_plan(self) -> dict[str, Any] | None:
