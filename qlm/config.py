@@ -24,6 +24,9 @@ class Settings(BaseSettings):
     heartbeat_interval_s: float = 0.5
     heartbeat_timeout_s: float = 3.0
     policy: str = "qlm"  # the stochastic planner; fcfs, edf, shepherd, ... also registered
+    # which of the plan's LSO decisions the coordinator carries out (policies that make them)
+    lso_eviction: bool = True
+    lso_warm_start: bool = True
     models_file: str | None = None
     log_level: str = "info"
     log_format: str = Field(default="json", pattern="^(json|console)$")

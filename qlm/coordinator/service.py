@@ -679,6 +679,11 @@ class Coordinator:
                     "kv_used_tokens": st.kv_used_tokens if st else 0,
                     "kv_capacity_tokens": inst.info.kv_capacity_tokens,
                     "last_seen": inst.last_seen,
+                    # what the engine can do for the LSOs, and why something is off
+                    "capabilities": dict(inst.info.capabilities),
+                    "capability_notes": list(inst.info.capability_notes),
+                    "warm_models": st.warm_models if st else None,
+                    "model_states": dict(inst.model_states_sent),
                 }
             )
         return out
