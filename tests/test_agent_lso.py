@@ -35,7 +35,7 @@ def _request(rid: str, max_tokens: int, e2e_ms: int = 600_000) -> RequestMessage
     )
 
 
-async def _uninterrupted(rid: str, max_tokens: int, seed: int) -> list[int]:
+async def _uninterrupted(rid: str, max_tokens: int, seed: int, prompt_len: int = 32) -> list[int]:
     """The same request on a fresh engine, never evicted."""
     engine = SimEngine("A100-80GB", [MODEL], time_scale=1000.0, seed=seed)
     done: asyncio.Future[EngineOutput] = asyncio.get_running_loop().create_future()
@@ -48,8 +48,8 @@ async def _uninterrupted(rid: str, max_tokens: int, seed: int) -> list[int]:
         EngineRequest(
             request_id=rid,
             model=MODEL,
-            prompt_token_ids=list(range(32)),
-            prompt_tokens=32,
+            prompt_token_ids=list(range(prompt_len)),
+            prompt_tokens=prompt_len,
             prompt_text=None,
             max_tokens=max_tokens,
         )
@@ -146,9 +146,7 @@ async def test_saber_gate_holds_back_demotes_and_frees_on_completion() -> None:
         assert [r.request_id for r in inst.held] == ["b"]
         agent._start_dispatch(inst, _dispatch("c", 100, now + 10))  # 10 tok/s: f(2)=50 ok
         await asyncio.sleep(0.05)
-        assert set(inst.frozen_speed) == {"a", "c"} and [r.request_id for r in inst.held] == [
-            "b"
-        ]
+        assert set(inst.frozen_speed) == {"a", "c"} and [r.request_id for r in inst.held] == ["b"]
         agent._start_dispatch(inst, _dispatch("late", 100, now - 1))  # deadline passed
         assert [r.request_id for r in inst.best_effort] == ["late"]
         # best effort waits while any request is held
@@ -169,3 +167,63 @@ async def test_saber_gate_holds_back_demotes_and_frees_on_completion() -> None:
         assert engine.stats().in_flight == ["late"]
     finally:
         await engine.stop()
+
+
+@pytest.mark.broker
+@pytest.mark.slow
+async def test_qlm_planner_evicts_batch_work_for_urgent_requests(
+    isolated_amqp_url: str, tmp_path
+) -> None:  # type: ignore[no-untyped-def]
+    """The whole loop, decided by the planner itself: long batch requests fill the engine,
+    then urgent ones arrive that would miss behind them. The plan marks the head group at
+    risk, the coordinator evicts batch work, the urgent requests run, and every evicted
+    request resumes exactly and is answered once."""
+    store = await Store.open(f"sqlite+aiosqlite:///{tmp_path}/qlm.db")
+    coord = Coordinator(
+        amqp_url=isolated_amqp_url, policy=create_policy("qlm"), store=store, shards=1
+    )
+    await coord.start()
+    engine = SimEngine("A100-80GB", [MODEL], time_scale=4.0, seed=3, max_batch_size=8)
+    agent = Agent(isolated_amqp_url, [engine], agent_id="ev", heartbeat_interval_s=0.2)
+    await agent.start()
+    try:
+        async with QlmClient(isolated_amqp_url) as client:
+            await _wait(lambda: "ev-gpu0" in coord.core.instances)
+            futures = []
+            for i in range(12):
+                req = RequestMessage(
+                    request_id=f"batch{i}",
+                    model=MODEL,
+                    prompt_token_ids=list(range(500)),
+                    max_tokens=3000,
+                    slo=SLO(e2e_ms=3_600_000, slo_class="batch"),
+                )
+                futures.append(await client.submit(req))
+            await _wait(lambda: len(engine.stats().in_flight) == 8)
+            await asyncio.sleep(1.0)
+            for i in range(10):
+                req = RequestMessage(
+                    request_id=f"chat{i}",
+                    model=MODEL,
+                    prompt_token_ids=list(range(100)),
+                    max_tokens=50,
+                    slo=SLO(e2e_ms=2_000, slo_class="chat"),
+                )
+                futures.append(await client.submit(req))
+            replies = await asyncio.wait_for(asyncio.gather(*futures), 180)
+            await asyncio.sleep(0.3)
+            assert client.duplicate_count() == 0
+            assert all(isinstance(r, ResultMessage) for r in replies)
+            evicted = [r for r in replies if r.attempts > 1]
+            assert evicted and agent.evicted >= len(evicted)
+            assert all(r.request_id.startswith("batch") for r in evicted)
+            for r in evicted[:3]:
+                assert r.output_token_ids == await _uninterrupted(
+                    r.request_id, 3000, seed=3, prompt_len=500
+                )
+            chat = [r for r in replies if r.request_id.startswith("chat")]
+            assert sum(r.slo.met for r in chat) >= 8
+    finally:
+        await agent.stop()
+        await coord.stop()
+        await store.close()
