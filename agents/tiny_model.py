@@ -69,7 +69,7 @@ def make_tiny_model(path: str | Path, *, overwrite: bool = False) -> Path:
         max_position_embeddings=MAX_POSITIONS,
         bos_token_id=fast.bos_token_id,
         eos_token_id=fast.eos_token_id,
-        torch_dtype="float32",
+        dtype="float32",
         tie_word_embeddings=False,
     )
     model = LlamaForCausalLM(config)

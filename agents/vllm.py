@@ -26,7 +26,7 @@ import os
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import structlog
 
@@ -317,7 +317,8 @@ class VllmEngine(EngineBackend):
             model.stats = _StatsRecorder()
             model.tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, model.path)
             model.llm = AsyncLLM.from_engine_args(
-                self._engine_args(model), stat_loggers=[model.stats.factory]
+                self._engine_args(model),
+                stat_loggers=[cast(Any, model.stats.factory)],  # a StatLoggerBase by duck typing
             )
             cache = model.llm.vllm_config.cache_config
             model.kv_capacity_tokens = int((cache.num_gpu_blocks or 0) * cache.block_size)

