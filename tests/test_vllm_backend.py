@@ -22,7 +22,7 @@ pytestmark = [
     pytest.mark.skipif(vllm_available() is not None, reason=str(vllm_available())),
 ]
 
-MODEL = "tiny"
+MODEL = "tiny-llama"  # the catalog name the coordinator validates against
 MAX_MODEL_LEN = 512
 
 
@@ -206,3 +206,72 @@ async def test_cpu_capabilities_and_the_stop_start_fallback(
     assert (await outputs.get("restarted", timeout=120)).error is None
     await eng.set_model_states({MODEL: "active"})
     assert eng.stats().active_model == MODEL
+
+
+@pytest.mark.broker
+async def test_whole_path_with_eviction_and_exact_resume_on_vllm(
+    tiny_model: Path, isolated_amqp_url: str, tmp_path: Path
+) -> None:
+    """Producer -> broker -> coordinator -> agent -> vLLM, with the coordinator evicting a
+    running request mid-way: the producer gets one reply whose output equals an uninterrupted
+    greedy run's."""
+    from agents.agent import Agent
+    from planner import create_policy
+    from qlm.client import QlmClient
+    from qlm.coordinator.core import EvictOrder, TrackState
+    from qlm.coordinator.service import Coordinator
+    from qlm.store import Store
+    from qlm.types import SLO, RequestMessage, ResultMessage, SamplingParams
+
+    store = await Store.open(f"sqlite+aiosqlite:///{tmp_path}/qlm.db")
+    coord = Coordinator(
+        amqp_url=isolated_amqp_url, policy=create_policy("edf"), store=store, shards=1
+    )
+    await coord.start()
+    eng = VllmEngine(
+        {MODEL: str(tiny_model)},
+        VllmSettings(max_model_len=MAX_MODEL_LEN, max_num_seqs=4, kv_cache_memory_bytes=32 * 2**20),
+    )
+    agent = Agent(isolated_amqp_url, [eng], agent_id="vl", engine_name="vllm", gpu_type="cpu")
+    await agent.start()
+
+    def request(rid: str) -> RequestMessage:
+        return RequestMessage(
+            request_id=rid,
+            model=MODEL,
+            prompt_token_ids=PROMPT,
+            max_tokens=400,
+            sampling=SamplingParams(temperature=0.0, ignore_eos=True),
+            slo=SLO(e2e_ms=600_000),
+        )
+
+    try:
+        async with QlmClient(isolated_amqp_url) as client:
+            for _ in range(400):
+                if "vl-gpu0" in coord.core.instances:
+                    break
+                await asyncio.sleep(0.05)
+            info = coord.core.instances["vl-gpu0"].info
+            assert info.engine == "vllm" and info.capabilities["exact_resume"]
+            assert info.capabilities["sleep_mode"] is False and info.capability_notes
+            whole = await client.request(request("whole"), timeout=120)
+            assert isinstance(whole, ResultMessage) and len(whole.output_token_ids) == 400
+            fut = await client.submit(request("cut"))
+            while not (  # noqa: ASYNC110 - polls engine state
+                "cut" in eng._live and len(eng._live["cut"].new_ids) >= 20
+            ):
+                await asyncio.sleep(0.005)
+            t = coord.core.requests["cut"]
+            assert t.state == TrackState.DISPATCHED and t.dispatch_id is not None
+            await coord._send_lso([], [EvictOrder(t, "vl-gpu0", "vl", t.dispatch_id, "evict")])
+            cut = await asyncio.wait_for(asyncio.shield(fut), 120)
+            assert isinstance(cut, ResultMessage)
+            assert cut.attempts == 2 and agent.evicted == 1
+            assert cut.output_token_ids == whole.output_token_ids
+            assert cut.output_text == whole.output_text
+            await asyncio.sleep(0.3)
+            assert client.duplicate_count() == 0
+    finally:
+        await agent.stop()
+        await coord.stop()
+        await store.close()
