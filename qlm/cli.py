@@ -268,6 +268,112 @@ async def _run_agent(
 
 
 @app.command()
+def profile(
+    model: Annotated[str, typer.Option(help="catalog model to profile (e.g. tiny-llama)")],
+    engine: Annotated[str, typer.Option(help="engine backend: vllm | sim")] = "vllm",
+    model_path: Annotated[
+        str | None, typer.Option(help="vllm: the model's local directory")
+    ] = None,
+    gpu_type: Annotated[
+        str, typer.Option(help="hardware name the profile is stored under (e.g. A100-80GB, cpu)")
+    ] = "cpu",
+    out: Annotated[Path | None, typer.Option(help="write the profile JSON here")] = None,
+    database_url: Annotated[
+        str | None, typer.Option(help="also store it in this state store (engine_profiles)")
+    ] = None,
+    prompts: Annotated[str, typer.Option(help="prompt lengths of the single runs")] = "16,64,256",
+    concurrency: Annotated[str, typer.Option(help="concurrency sweep levels")] = "1,2,4,8,16",
+    output_tokens: Annotated[int, typer.Option(help="tokens generated per request")] = 64,
+    time_scale: Annotated[float, typer.Option(help="sim: engine speed-up factor")] = 20.0,
+    max_model_len: Annotated[int, typer.Option(help="vllm: context length")] = 2048,
+    kv_cache_mb: Annotated[int | None, typer.Option(help="vllm: KV cache in MiB")] = None,
+) -> None:
+    """Measure an engine (single requests, a concurrency sweep, a cold start) and write the
+    hardware profile the estimator, the simulator and SABER's gate use (docs/engine-model.md)."""
+    s = _settings()
+    _setup_logging(s, "profile")
+    try:
+        prompt_lens = [int(x) for x in prompts.split(",") if x]
+        levels = [int(x) for x in concurrency.split(",") if x]
+    except ValueError as exc:
+        raise typer.BadParameter(f"--prompts/--concurrency: {exc}") from exc
+    if out is not None and not out.parent.exists():
+        raise typer.BadParameter(f"--out: folder {out.parent} does not exist")
+    engines = _make_engines(
+        engine,
+        1,
+        gpu_type,
+        [model],
+        time_scale=time_scale,
+        seed=0,
+        model_paths=_parse_model_paths(
+            [f"{model}={model_path}"] if model_path else [], [model], engine
+        ),
+        vllm_options={
+            "max_model_len": max_model_len,
+            "max_num_seqs": max(levels + [1]),
+            "kv_cache_memory_bytes": None if kv_cache_mb is None else kv_cache_mb * 2**20,
+        },
+    )
+    result = asyncio.run(
+        _profile(engines[0], model, gpu_type, prompt_lens, levels, output_tokens, database_url)
+    )
+    text = json.dumps(result, indent=2)
+    if out is not None:
+        tmp = out.with_name(out.name + ".tmp")
+        tmp.write_text(text + "\n")
+        tmp.replace(out)
+        typer.echo(f"wrote {out}")
+    else:
+        typer.echo(text)
+    usl = result["usl"]
+    m = result["measurements"]
+    typer.echo(
+        f"prefill {m['prefill_line']['slope_s_per_token'] * 1e3:.3f} ms/token "
+        f"+ {m['prefill_line']['intercept_s'] * 1e3:.2f} ms, decode step "
+        f"{m['decode_step_s'] * 1e3:.2f} ms, USL lam={usl['lam']:.1f} sigma={usl['sigma']:.4f} "
+        f"kappa={usl['kappa']:.5f} (R^2 {usl['r_squared']:.3f}), KV {m['kv_capacity_tokens']} "
+        f"tokens, cold load {m['load_cold_s']} s, {m['wall_s']} s",
+        err=True,
+    )
+
+
+async def _profile(
+    engine: Any,
+    model: str,
+    gpu_type: str,
+    prompts: list[int],
+    levels: list[int],
+    output_tokens: int,
+    database_url: str | None,
+) -> dict[str, Any]:
+    from agents.profiler import PROFILE_SOURCE, ProfilingError, profile_engine
+
+    try:
+        result = await profile_engine(
+            engine,
+            model,
+            gpu_type,
+            prompts=prompts,
+            concurrency=levels,
+            output_tokens=output_tokens,
+        )
+    except (ProfilingError, ValueError, KeyError) as exc:
+        typer.echo(f"error: profiling failed: {exc}", err=True)
+        raise typer.Exit(1) from exc
+    data = result.to_dict()
+    if database_url is not None:
+        from qlm.store import Store
+
+        store = await Store.open(database_url)
+        try:
+            await store.save_profile(gpu_type, model, PROFILE_SOURCE, data)
+        finally:
+            await store.close()
+    return data
+
+
+@app.command()
 def submit(
     source: Annotated[
         str,

@@ -360,9 +360,14 @@ def profile_to_dict(profile: EngineProfile) -> dict[str, Any]:
     return out
 
 
+PROFILE_FILE_EXTRAS = ("usl", "measurements")
+
+
 def profile_from_dict(data: dict[str, Any]) -> EngineProfile:
     """Inverse of :func:`profile_to_dict`; ``gpu``/``model`` may also be catalog names."""
     known = {f.name for f in fields(EngineProfile)}
+    # what `qlm profile` writes beside the profile (the USL speed model, raw measurements)
+    data = {k: v for k, v in data.items() if k not in PROFILE_FILE_EXTRAS}
     unknown = set(data) - known
     if unknown:
         raise ValueError(f"unknown engine profile fields: {sorted(unknown)}")

@@ -50,6 +50,9 @@ def configure_logging(level: str = "info", fmt: str = "json", component: str | N
     logging.basicConfig(level=max(lvl, logging.WARNING), stream=sys.stderr)
 
 
+_gc_watched = False
+
+
 def watch_gc_pauses(threshold_s: float = 0.01) -> None:
     """Log every garbage-collector pass that stops the process longer than ``threshold_s``:
     a full collection over a large heap pauses the event loop, which shows up as a latency
@@ -57,6 +60,10 @@ def watch_gc_pauses(threshold_s: float = 0.01) -> None:
     import gc
     import time
 
+    global _gc_watched
+    if _gc_watched:  # one callback per process (in-process CLI runs call this repeatedly)
+        return
+    _gc_watched = True
     log = structlog.get_logger("qlm.gc")
     started: list[float] = [0.0]
 
