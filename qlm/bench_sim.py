@@ -51,6 +51,8 @@ def run_sim_bench(
     overrides = preset.policy_overrides if preset else {}
     names = policies or list(spec.policies)
     variants = [PolicyVariant(p, p, overrides.get(p, {})) for p in names]
+    if preset is not None and preset.variants is not None and not policies:
+        variants = preset.variants()
     started = time.perf_counter()
     with _ProgressBar(show_progress) as progress:
         summary = run_scenario(

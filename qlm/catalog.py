@@ -52,7 +52,8 @@ MODELS: dict[str, ModelSpec] = {
         ModelSpec("mistral-7b", 7.24, 32, 4096, 32, 8, 128, 8192, 4096),
         ModelSpec("vicuna-13b", 13.0, 40, 5120, 40, 40, 128, 4096, 4096),
         ModelSpec("llama-2-70b", 69.0, 80, 8192, 64, 8, 128, 4096, 4096),
-        # The tiny Llama the vLLM tests and `make demo BACKEND=vllm` generate (agents/tiny_model.py).
+        # The tiny Llama that the vLLM tests and `make demo BACKEND=vllm` generate
+        # (agents/tiny_model.py).
         ModelSpec("tiny-llama", 0.0005, 2, 128, 4, 2, 32, 2048, 1024),
     )
 }

@@ -28,7 +28,7 @@ import itertools
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import structlog
@@ -55,6 +55,7 @@ class InstanceSpec:
     cpu_memory_bytes: float = 256e9
     # measured profiles replacing the roofline one of their model (same GPU type)
     profiles: tuple[EngineProfile, ...] = ()
+    max_num_seqs: int | None = None  # the engine's batch cap (vLLM --max-num-seqs) if not default
 
 
 @dataclass(frozen=True)
@@ -194,6 +195,10 @@ class ClusterSimulator:
                 if key not in cache:
                     cache[key] = get_profile(spec.gpu_type, m, tp=tp)
                 profiles[m] = cache[key]
+            if spec.max_num_seqs is not None:
+                profiles = {
+                    m: replace(p, max_num_seqs=spec.max_num_seqs) for m, p in profiles.items()
+                }
             inst = SimInstance(
                 spec.instance_id,
                 spec.gpu_type,

@@ -381,6 +381,8 @@ class Preset:
     policy_sweep: Callable[[], tuple[str, list[tuple[str, PolicyVariant]]]] | None = None
     policy_overrides: dict[str, dict[str, Any]] = field(default_factory=dict)
     record_estimates: bool = False
+    # the run's columns when they are not the scenario's policies (e.g. engine settings)
+    variants: Callable[[], list[PolicyVariant]] | None = None
 
     def spec(self) -> ScenarioSpec:
         return ScenarioSpec.model_validate(self.build())
@@ -391,6 +393,45 @@ def _delta_sweep() -> tuple[str, list[tuple[str, PolicyVariant]]]:
     for d in (1, 2, 4, 8, 16):
         points.append((str(d), PolicyVariant("qlm", "qlm", {"grouping": {"delta": float(d)}})))
     return "group size cap δ", points
+
+
+# ---------------------------------------------------------------------------- SABER vs static caps
+SABER_RATES = [3.0, 5.0, 7.0, 9.0, 11.0]
+SABER_STATIC_CAPS = [8, 16, 32, 64, 128, 256]
+
+
+def _saber_streams(total: float) -> list[dict[str, Any]]:
+    # SABER's setting: per-request end-to-end SLAs of seconds, so the speed each request gets
+    # (set by how many share the engine) decides whether it makes it. ShareGPT lengths.
+    return [
+        _stream("chat", ["mistral-7b"], total / 2, "interactive", 15.0),
+        _stream("assist", ["mistral-7b"], total / 2, "batch", 30.0),
+    ]
+
+
+def saber() -> dict[str, Any]:
+    return {
+        "name": "saber",
+        "description": "SABER: one model on two A100s, 15 s and 30 s end-to-end SLAs, FCFS "
+        "order; static max-num-seqs caps against SABER's SLO-aware admission, rate swept from "
+        "below capacity into overload",
+        "duration_s": 600,
+        "pools": [_pool("A100-80GB", 2, ["mistral-7b"])],
+        "streams": _saber_streams(SABER_RATES[0]),
+        "policies": ["fcfs"],
+        "options": {"drain_s": 600},
+        "sweep": {
+            "parameter": "streams",
+            "label": "arrival rate (req/s)",
+            "values": [_saber_streams(r) for r in SABER_RATES],
+            "variants": [f"{r:g}" for r in SABER_RATES],
+        },
+    }
+
+
+def _saber_variants() -> list[PolicyVariant]:
+    static = [PolicyVariant(f"mns={n}", "fcfs", max_num_seqs=n) for n in SABER_STATIC_CAPS]
+    return [*static, PolicyVariant("saber", "fcfs", slo_pull=True)]
 
 
 PRESETS: dict[str, Preset] = {
@@ -414,5 +455,11 @@ PRESETS: dict[str, Preset] = {
         ),
         Preset("trace", trace, "Azure conv + code replay, two SLO classes"),
         Preset("scale", scale, "1 h of 100 GPUs (>= 1M requests) in <= 5 min, <= 4 GB"),
+        Preset(
+            "saber",
+            saber,
+            "SABER's admission >= the best static max-num-seqs at every rate >= 5 req/s",
+            variants=_saber_variants,
+        ),
     )
 }

@@ -52,6 +52,10 @@ class PolicyVariant:
     label: str
     policy: str
     overrides: Mapping[str, Any] = field(default_factory=dict)
+    # engine-side settings of this column: a static batch cap (vLLM --max-num-seqs) on every
+    # instance, and SABER's SLO-aware admission in the agents (whatever the scenario says)
+    max_num_seqs: int | None = None
+    slo_pull: bool | None = None
 
 
 def engine_model_name(spec: ScenarioSpec, name: str) -> str:
@@ -118,8 +122,13 @@ def simulate(
     config = sim_config(spec, variant.policy, policy)
     if record_estimates:
         config = replace(config, record_estimates=True)
+    if variant.slo_pull is not None:
+        config = replace(config, lso=replace(config.lso, slo_pull=variant.slo_pull))
     reqs = scenario_requests(spec) if requests is None else requests
-    sim = ClusterSimulator(instance_specs(spec), policy, reqs, config, progress=progress)
+    instances = instance_specs(spec)
+    if variant.max_num_seqs is not None:
+        instances = [replace(i, max_num_seqs=variant.max_num_seqs) for i in instances]
+    sim = ClusterSimulator(instances, policy, reqs, config, progress=progress)
     return sim.run()
 
 

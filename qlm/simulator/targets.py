@@ -166,6 +166,27 @@ def check_scale(summary: Mapping[str, Any]) -> list[Check]:
     return out
 
 
+def check_saber(summary: Mapping[str, Any], from_rate: float = 5.0) -> list[Check]:
+    """SABER's claim: its admission is never below the best static max-num-seqs setting at
+    >= 5 req/s (variants named ``mns=N`` and ``saber``)."""
+    out: list[Check] = []
+    saber = _series(summary, "saber", "slo_attainment")
+    static = {p: _series(summary, p, "slo_attainment") for p in summary["policies"]}
+    static = {p: v for p, v in static.items() if p.startswith("mns=")}
+    for k, label in enumerate(_labels(summary)):
+        if k >= len(saber) or not static or float(label) < from_rate:
+            continue
+        best_name, best = max(((p, v[k]) for p, v in static.items()), key=lambda x: x[1])
+        out.append(
+            (
+                f"{label} req/s: saber >= best static max-num-seqs",
+                f"saber {_pct(saber[k])}, best {best_name} {_pct(best)}",
+                saber[k] >= best - 1e-9,
+            )
+        )
+    return out
+
+
 CHECKS: dict[str, Checker] = {
     "wb": check_wb,
     "wa": check_wa,
@@ -174,6 +195,7 @@ CHECKS: dict[str, Checker] = {
     "wb-ablation": check_ablation,
     "rct": check_rct,
     "scale": check_scale,
+    "saber": check_saber,
 }
 
 
