@@ -56,7 +56,7 @@ def test_variants_run_side_by_side_and_the_target_is_checked() -> None:
     variants = [
         PolicyVariant("mns=8", "fcfs", max_num_seqs=8),
         PolicyVariant("mns=256", "fcfs", max_num_seqs=256),
-        PolicyVariant("saber", "fcfs", slo_pull=True),
+        PolicyVariant("saber", "fcfs", slo_pull=True, pull_gate="saber"),
     ]
     summary = run_scenario(spec, _factory, variants=variants)
     assert set(summary["policies"]) == {"mns=8", "mns=256", "saber"}

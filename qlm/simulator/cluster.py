@@ -44,6 +44,7 @@ log = structlog.get_logger(__name__)
 
 MIN_QUEUED_PER_INSTANCE = 2  # the live coordinator's rule for automatic replans
 PULL_WINDOW = 16  # SLO-aware pull: how far past the head of the virtual queue the gate looks
+DEMOTION_SCAN = 512  # SABER mode: how deep the demotion scan looks for a request still in time
 
 
 @dataclass(frozen=True)
@@ -81,6 +82,10 @@ class SimConfig:
     static_batch: int | None = None  # SHEPHERD: fixed batches, no continuous batching
     record_estimates: bool = False  # keep the policy's predicted completion times
     max_decode_run: int | None = None  # cap on iterations per decode jump (tests: 1)
+    # the SLO-aware pull's treatment of requests that cannot make their deadline: "qlm" pulls
+    # them in plan order while they slow no running request; "saber" (Algorithm 1) demotes
+    # them and serves them only when no request that can still make it waits
+    pull_gate: str = "qlm"
 
 
 @dataclass
@@ -334,6 +339,10 @@ class ClusterSimulator:
         load = len(inst.running) + len(inst.waiting)
         floor = inst.speed_floor()
         batch: list[SimJob] = []
+        if self.config.pull_gate == "saber":
+            self._feed_saber(inst, queue, want, load, floor, batch)
+            self._take(inst, queue, batch)
+            return
         for rid in queue.head(PULL_WINDOW):
             job = self.jobs[rid]
             need = required_speed(job.view.max_tokens, job.view.deadline, now)
@@ -348,12 +357,53 @@ class ClusterSimulator:
             batch.append(job)
             if len(batch) >= want:
                 break
+        self._take(inst, queue, batch)
+
+    def _take(self, inst: SimInstance, queue: VirtualQueue, batch: list[SimJob]) -> None:
         for job in batch:
             queue.remove(job.req.request_id)
             self.queued_tokens[inst.instance_id] -= self.policy.work_tokens(job.view)
             self.queued_count -= 1
         if batch:
-            inst.enqueue(batch, now)
+            inst.enqueue(batch, self.now)
+
+    def _feed_saber(
+        self,
+        inst: SimInstance,
+        queue: VirtualQueue,
+        want: int,
+        load: int,
+        floor: float,
+        batch: list[SimJob],
+    ) -> None:
+        """SABER's Algorithm 1: requests that cannot make their deadline even alone are
+        demoted (they do not use up the window); the window over the rest admits what keeps
+        f(L + 1) above every frozen required speed; the demoted ones are served, without a
+        speed check, only when no request that can still make it waits."""
+        now = self.now
+        in_time = 0
+        demoted: list[SimJob] = []
+        for rid in queue.head(DEMOTION_SCAN):
+            job = self.jobs[rid]
+            need = required_speed(job.view.max_tokens, job.view.deadline, now)
+            gate = SLOAdmissionGate(
+                lambda n, j=job: inst.decode_speed(n, j)  # type: ignore[misc]
+            )
+            if gate.best_effort(need):
+                demoted.append(job)
+                continue
+            in_time += 1
+            if in_time > PULL_WINDOW or len(batch) >= want:
+                break
+            if gate.admits(load, need, floor):
+                job.req_speed = need
+                floor = max(floor, need)
+                load += 1
+                batch.append(job)
+        if in_time == 0:  # the high-priority queue is empty
+            for job in demoted[: max(0, want - len(batch))]:
+                job.req_speed = 0.0
+                batch.append(job)
 
     def _step_done(self, inst: SimInstance) -> None:
         inst.on_event(self.now)

@@ -431,7 +431,12 @@ def saber() -> dict[str, Any]:
 
 def _saber_variants() -> list[PolicyVariant]:
     static = [PolicyVariant(f"mns={n}", "fcfs", max_num_seqs=n) for n in SABER_STATIC_CAPS]
-    return [*static, PolicyVariant("saber", "fcfs", slo_pull=True)]
+    return [
+        *static,
+        PolicyVariant("saber", "fcfs", slo_pull=True, pull_gate="saber"),
+        # qlm's variant of the gate (best effort pulled whenever it is non-intrusive)
+        PolicyVariant("qlm-gate", "fcfs", slo_pull=True),
+    ]
 
 
 PRESETS: dict[str, Preset] = {

@@ -56,6 +56,7 @@ class PolicyVariant:
     # instance, and SABER's SLO-aware admission in the agents (whatever the scenario says)
     max_num_seqs: int | None = None
     slo_pull: bool | None = None
+    pull_gate: str | None = None  # "qlm" | "saber" (see SimConfig.pull_gate)
 
 
 def engine_model_name(spec: ScenarioSpec, name: str) -> str:
@@ -124,6 +125,8 @@ def simulate(
         config = replace(config, record_estimates=True)
     if variant.slo_pull is not None:
         config = replace(config, lso=replace(config.lso, slo_pull=variant.slo_pull))
+    if variant.pull_gate is not None:
+        config = replace(config, pull_gate=variant.pull_gate)
     reqs = scenario_requests(spec) if requests is None else requests
     instances = instance_specs(spec)
     if variant.max_num_seqs is not None:
