@@ -241,14 +241,24 @@ class VllmEngine(EngineBackend):
             self._log.info("vllm_capability_off", note=note)
         self._started = True
         first = True
+        failures = []
         for model in self._models.values():
-            await self._start_model(model)
+            try:
+                await self._start_model(model)
+            except Exception as exc:
+                # the other models still serve; this one is retried when a request needs it
+                self._log.error("vllm_model_start_failed", model=model.name, error=repr(exc)[:500])
+                failures.append(model.name)
+                continue
             if self._caps.sleep_mode and not first:
                 await model.llm.sleep(level=self.settings.sleep_level_warm)
                 model.state = "warm"
             else:
                 model.state = "active" if first else "warm"
             first = False
+        if len(failures) == len(self._models):
+            self._started = False
+            raise RuntimeError(f"no vLLM engine could start (models {failures}); see the log")
 
     async def stop(self) -> None:
         """Shut every engine down. Requests in flight are dropped without an output
@@ -391,10 +401,18 @@ class VllmEngine(EngineBackend):
         req = live.request
         rid = req.request_id
         model = self._models[live.model]
-        try:
-            if model.llm is None:  # a cold model: start it (CPU fallback of warm start)
+        if model.llm is None:  # a cold model: start it (CPU fallback of warm start)
+            try:
                 await self._start_model(model)
                 model.state = "active"
+            except Exception as exc:
+                # not retryable: requeueing would only retry the same failing start
+                self._live.pop(rid, None)
+                self._log.error("vllm_model_start_failed", model=model.name, error=repr(exc)[:500])
+                message = f"model {model.name!r} failed to start: {exc!r}"[:1000]
+                await self._emit(_error_output(req, live, time.time(), message, False))
+                return
+        try:
             params = SamplingParams(
                 max_tokens=req.max_tokens - len(req.resume_token_ids),
                 temperature=req.temperature,

@@ -275,3 +275,25 @@ async def test_whole_path_with_eviction_and_exact_resume_on_vllm(
         await agent.stop()
         await coord.stop()
         await store.close()
+
+
+async def test_a_model_that_cannot_start_fails_its_requests_and_the_others_serve(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    broken = tmp_path / "broken-model"
+    broken.mkdir()
+    (broken / "config.json").write_text("{not json")
+    outputs = Outputs()
+    eng = VllmEngine(
+        {MODEL: str(tiny_model), "broken": str(broken)},
+        VllmSettings(max_model_len=MAX_MODEL_LEN, max_num_seqs=2, kv_cache_memory_bytes=16 * 2**20),
+    )
+    await eng.start(outputs)
+    try:
+        eng.submit(greedy("to-broken", PROMPT, 3, model="broken"))
+        out = await outputs.get("to-broken", timeout=120)
+        assert out.error is not None and "failed to start" in out.error and not out.retryable
+        eng.submit(greedy("to-tiny", PROMPT, 3))
+        assert (await outputs.get("to-tiny")).error is None
+    finally:
+        await eng.stop()
