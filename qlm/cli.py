@@ -85,6 +85,7 @@ async def _run_coordinator(s: Settings, policy_name: str, shards: int, admin_por
         raise typer.BadParameter("QLM_ADMIN_TOKEN must be set (the admin API requires a token)")
     catalog = ModelCatalog.from_file(s.models_file) if s.models_file else ModelCatalog()
     store = await Store.open(s.database_url)
+    await _use_measured_profiles(store)
     coord = Coordinator(
         amqp_url=s.amqp_url,
         policy=create_policy(policy_name),
@@ -106,6 +107,24 @@ async def _run_coordinator(s: Settings, policy_name: str, shards: int, admin_por
         await server.stop()
         await coord.stop()
         await store.close()
+
+
+async def _use_measured_profiles(store: Any) -> None:
+    """Profiles stored by `qlm profile --database-url` replace the roofline in the planner's
+    estimates (the newest per GPU type and model). Done before the policy is created."""
+    import structlog
+
+    from qlm.engine_model import profile_from_dict, register_measured_profile
+
+    log = structlog.get_logger("qlm.cli")
+    for row in await store.list_profiles():
+        try:
+            profile = profile_from_dict(row["params"])
+        except (KeyError, TypeError, ValueError) as exc:
+            log.warning("stored_profile_unusable", gpu_type=row["gpu_type"], error=str(exc))
+            continue
+        register_measured_profile(profile)
+        log.info("measured_profile_in_use", gpu_type=row["gpu_type"], model=row["model"])
 
 
 @app.command()

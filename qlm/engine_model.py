@@ -318,13 +318,35 @@ def vllm_batch_defaults(gpu: GPUSpec) -> tuple[int, int]:
     return DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
 
 
+# Measured profiles (`qlm profile`) registered by the coordinator at start: get_profile returns
+# them instead of the roofline for their (GPU type, model). Register before planning starts:
+# the estimator and the planner cache the profiles they have looked up.
+_MEASURED: dict[tuple[str, str], EngineProfile] = {}
+
+
+def register_measured_profile(profile: EngineProfile) -> None:
+    """Use ``profile`` for its (GPU type, model) from now on, e.g. a GPU type or a CPU host
+    the catalog does not know, or measured hardware instead of the roofline."""
+    _MEASURED[(profile.gpu.name, profile.model.name)] = profile
+
+
+def clear_measured_profiles() -> None:
+    _MEASURED.clear()
+
+
 def get_profile(
     gpu_type: str, model: str | ModelSpec, tp: int | None = None, **overrides: Any
 ) -> EngineProfile:
-    """The roofline profile of ``model`` on ``gpu_type`` with vLLM's batch defaults for that GPU
-    (``overrides`` sets any other field). With ``tp=None``, the smallest TP
-    degree in (1, 2, 4, 8) whose KV cache holds at least one full-context sequence (vLLM
-    refuses to start otherwise); failing that, the smallest one with any KV cache at all."""
+    """The profile of ``model`` on ``gpu_type``: a registered measured one
+    (:func:`register_measured_profile`), else the roofline with vLLM's batch defaults for that
+    GPU (``overrides`` sets any other field, and always gives the roofline). With ``tp=None``,
+    the smallest TP degree in (1, 2, 4, 8) whose KV cache holds at least one full-context
+    sequence (vLLM refuses to start otherwise); failing that, the smallest one with any KV
+    cache at all."""
+    name = model if isinstance(model, str) else model.name
+    measured = _MEASURED.get((gpu_type, name))
+    if measured is not None and tp in (None, measured.tp) and not overrides:
+        return measured
     if gpu_type not in GPUS:
         raise KeyError(f"unknown GPU type {gpu_type!r}; known: {sorted(GPUS)}")
     gpu = GPUS[gpu_type]

@@ -109,3 +109,32 @@ def test_cli_bad_input_is_a_clear_error(tmp_path: Path) -> None:
     assert unknown.exit_code != 0 and "unknown model" in _flat(unknown.output)
     no_path = runner.invoke(app, ["profile", "--engine", "vllm", "--model", "tiny-llama"])
     assert no_path.exit_code != 0
+
+
+def test_a_stored_profile_replaces_the_roofline_for_the_planner(tmp_path: Path) -> None:
+    """What the coordinator does at start: stored `qlm profile` results become the profiles
+    get_profile (and so the estimator and planner) use, also for hardware the catalog lacks."""
+    import asyncio
+
+    from qlm.cli import _use_measured_profiles
+    from qlm.engine_model import clear_measured_profiles, profile_from_dict
+
+    data = json.loads((Path(__file__).parent / "data" / "tiny-cpu-profile.json").read_text())
+
+    async def go() -> None:
+        store = await Store.open(f"sqlite+aiosqlite:///{tmp_path}/qlm.db")
+        try:
+            await store.save_profile("cpu", "tiny-llama", "measured:qlm-profile", data)
+            await _use_measured_profiles(store)
+        finally:
+            await store.close()
+
+    try:
+        asyncio.run(go())
+        measured = get_profile("cpu", "tiny-llama")
+        assert measured == profile_from_dict(data) and measured.source == "measured:qlm-profile"
+        assert get_profile(GPU, MODEL).source == "roofline"  # others keep the roofline
+    finally:
+        clear_measured_profiles()
+    with pytest.raises(KeyError, match="unknown GPU type"):
+        get_profile("cpu", "tiny-llama")

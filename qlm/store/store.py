@@ -406,6 +406,16 @@ class Store:
         async with self._engine.begin() as conn:
             await conn.execute(stmt)
 
+    async def list_profiles(self) -> list[dict[str, Any]]:
+        """Every stored profile, oldest measurement first."""
+        query = sa.select(PROFILES).order_by(PROFILES.c.measured_at, PROFILES.c.id)
+        async with self._engine.connect() as conn:
+            rows = (await conn.execute(query)).mappings().all()
+        return [
+            {k: r[k] for k in ("gpu_type", "model", "source", "params", "measured_at")}
+            for r in rows
+        ]
+
     async def get_profile(
         self, gpu_type: str, model: str, source: str | None = None
     ) -> dict[str, Any] | None:
