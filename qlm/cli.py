@@ -38,7 +38,8 @@ def _setup_logging(s: Settings, component: str) -> None:
     from qlm.logging import configure_logging, watch_gc_pauses
 
     configure_logging(s.log_level, s.log_format, component)
-    watch_gc_pauses()
+    if component in ("coordinator", "agent"):  # services: a GC pause is a latency tail
+        watch_gc_pauses()
 
 
 async def _wait_for_signal() -> None:

@@ -297,3 +297,41 @@ async def test_a_model_that_cannot_start_fails_its_requests_and_the_others_serve
         assert (await outputs.get("to-tiny")).error is None
     finally:
         await eng.stop()
+
+
+async def test_an_engine_that_dies_mid_request_hands_it_back_for_requeue(
+    tiny_model: Path,
+) -> None:
+    """SIGKILL the EngineCore process under a running request: the request comes back as a
+    retryable failure with its output so far (the agent turns that into Evicted -> requeue),
+    and the model's engine starts again for the next request."""
+    import signal
+
+    import psutil
+
+    outputs = Outputs()
+    eng = VllmEngine(
+        {MODEL: str(tiny_model)},
+        VllmSettings(max_model_len=MAX_MODEL_LEN, max_num_seqs=2, kv_cache_memory_bytes=16 * 2**20),
+    )
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    await eng.start(outputs)
+    try:
+        cores = [
+            p
+            for p in psutil.Process().children(recursive=True)
+            if p.pid not in before and "EngineCore" in " ".join(p.cmdline() + [p.name()])
+        ]
+        assert cores, "no EngineCore process found"
+        eng.submit(greedy("doomed", PROMPT, 450))
+        while len(eng._live["doomed"].new_ids) < 5:  # noqa: ASYNC110 - polls engine state
+            await asyncio.sleep(0.005)
+        for p in cores:
+            p.send_signal(signal.SIGKILL)
+        out = await outputs.get("doomed", timeout=120)
+        assert out.error is not None and out.retryable
+        assert 5 <= len(out.output_token_ids) < 450
+        eng.submit(greedy("next", PROMPT, 3))  # a new engine process for the model
+        assert (await outputs.get("next", timeout=180)).error is None
+    finally:
+        await eng.stop()
