@@ -78,7 +78,7 @@ async def _run_coordinator(s: Settings, policy_name: str, shards: int, admin_por
     from planner import create_policy
     from qlm.admin import create_admin_app, serve_admin
     from qlm.catalog import ModelCatalog
-    from qlm.coordinator.core import LSOSettings
+    from qlm.coordinator.core import AdmissionLimits, LSOSettings
     from qlm.coordinator.service import Coordinator
     from qlm.store import Store
 
@@ -98,6 +98,7 @@ async def _run_coordinator(s: Settings, policy_name: str, shards: int, admin_por
         max_body_bytes=s.max_body_bytes,
         heartbeat_timeout_s=s.heartbeat_timeout_s,
         lso=LSOSettings(eviction=s.lso_eviction, warm_start=s.lso_warm_start),
+        limits=AdmissionLimits(s.max_queued, s.max_queued_per_tenant, dict(s.tenant_limits)),
     )
     await coord.start()
     api = create_admin_app(coord, token=s.admin_token.get_secret_value(), metrics=coord.metrics)

@@ -27,6 +27,12 @@ class Settings(BaseSettings):
     # which of the plan's LSO decisions the coordinator carries out (policies that make them)
     lso_eviction: bool = True
     lso_warm_start: bool = True
+    # Overload control: requests the coordinator tracks (queued or running, not yet answered)
+    # at most, in all and per tenant (requests without a tenant share the tenant ""); beyond
+    # that a new request gets an `overloaded` error reply. None: no limit.
+    max_queued: int | None = Field(default=None, ge=1)
+    max_queued_per_tenant: int | None = Field(default=None, ge=1)
+    tenant_limits: dict[str, int] = Field(default_factory=dict)  # JSON: per-tenant overrides
     models_file: str | None = None
     log_level: str = "info"
     log_format: str = Field(default="json", pattern="^(json|console)$")

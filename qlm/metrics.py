@@ -123,6 +123,15 @@ class CoordinatorMetrics:
             ["reason"],
             registry=r,
         )
+        self._shed = Counter(
+            f"{namespace}_shed_requests",
+            "New requests refused with an 'overloaded' error, by the limit hit (global | tenant)",
+            ["limit"],
+            registry=r,
+        )
+        self._shed_children = {k: self._shed.labels(limit=k) for k in ("global", "tenant")}
+        for child in self._shed_children.values():
+            child.inc(0)
         self._evictions = Counter(
             f"{namespace}_evictions",
             "Running requests the plan evicted to resume later, by mode (evict | swap)",
@@ -221,6 +230,11 @@ class CoordinatorMetrics:
             if child is None:
                 child = self._requeue_children[reason] = self._requeued.labels(reason=reason)
         child.inc()
+
+    def observe_shed(self, limit: str) -> None:
+        child = self._shed_children.get(limit)
+        if child is not None:
+            child.inc()
 
     def observe_eviction(self, mode: str) -> None:
         child = self._eviction_children.get(mode)

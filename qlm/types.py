@@ -180,6 +180,7 @@ class ErrorCode(StrEnum):
     UNKNOWN_MODEL = "unknown_model"
     MAX_TOKENS_OUT_OF_RANGE = "max_tokens_out_of_range"
     PROMPT_TOO_LONG = "prompt_too_long"
+    OVERLOADED = "overloaded"
     ENGINE_ERROR = "engine_error"
     DELIVERY_LIMIT = "delivery_limit"
     INTERNAL_ERROR = "internal_error"

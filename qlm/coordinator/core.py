@@ -147,6 +147,19 @@ class ModelStateOrder:
 
 
 @dataclass(frozen=True)
+class AdmissionLimits:
+    """Overload control: at most this many tracked (not yet answered) requests, in all and per
+    tenant. A redelivery or duplicate of a tracked request is never counted twice or shed."""
+
+    max_queued: int | None = None
+    max_queued_per_tenant: int | None = None
+    tenant_limits: dict[str, int] = field(default_factory=dict)
+
+    def tenant_limit(self, tenant: str) -> int | None:
+        return self.tenant_limits.get(tenant, self.max_queued_per_tenant)
+
+
+@dataclass(frozen=True)
 class LSOSettings:
     """Which of the plan's LSO decisions the live coordinator carries out."""
 
@@ -162,9 +175,14 @@ class CoordinatorCore:
         heartbeat_timeout_s: float = 3.0,
         clock: Any = time.time,
         lso: LSOSettings | None = None,
+        limits: AdmissionLimits | None = None,
     ) -> None:
         self.policy = policy
         self.lso = lso or LSOSettings()
+        self.limits = limits or AdmissionLimits()
+        self.tenant_counts: dict[str, int] = {}
+        # the last "overloaded" admit: which limit ("global" | "tenant") and why, in words
+        self.last_shed: tuple[str, str] = ("", "")
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.clock = clock
         self.requests: dict[str, TrackedRequest] = {}
@@ -202,6 +220,12 @@ class CoordinatorCore:
                 return existing, "redelivered"
             existing.duplicates.append((delivery, reply_to, correlation_id))
             return existing, "duplicate"
+        tenant = request.tenant or ""
+        shed = self._shed_reason(tenant)
+        if shed is not None:
+            self.last_shed = shed
+            return None, "overloaded"
+        self.tenant_counts[tenant] = self.tenant_counts.get(tenant, 0) + 1
         self._seq += 1
         submitted = request.submitted_at or received_at
         slo = request.slo
@@ -230,6 +254,21 @@ class CoordinatorCore:
         self.requests[rid] = tracked
         self._place(tracked, received_at)
         return tracked, "new"
+
+    def _shed_reason(self, tenant: str) -> tuple[str, str] | None:
+        """Which limit refuses a new request of ``tenant`` now, and why; None: admit it."""
+        limits = self.limits
+        if limits.max_queued is not None and len(self.requests) >= limits.max_queued:
+            held_all = len(self.requests)
+            return "global", f"{held_all} requests queued or running (limit {limits.max_queued})"
+        cap = limits.tenant_limit(tenant)
+        held = self.tenant_counts.get(tenant, 0)
+        if cap is not None and held >= cap:
+            return (
+                "tenant",
+                f"tenant {tenant!r} has {held} requests queued or running (limit {cap})",
+            )
+        return None
 
     def _live(self) -> list[InstanceState]:
         return [i for i in self.instances.values() if i.status == "alive"]
@@ -352,6 +391,12 @@ class CoordinatorCore:
         tracked = self.requests.pop(request_id, None)
         if tracked is not None:
             tracked.state = TrackState.DONE
+            tenant = tracked.request.tenant or ""
+            left = self.tenant_counts.get(tenant, 0) - 1
+            if left > 0:
+                self.tenant_counts[tenant] = left
+            else:
+                self.tenant_counts.pop(tenant, None)
         self.answered[request_id] = None
         if len(self.answered) > self.answered_limit:
             self.answered.popitem(last=False)

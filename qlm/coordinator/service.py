@@ -39,6 +39,7 @@ from qlm.control import (
     to_coordinator_adapter,
 )
 from qlm.coordinator.core import (
+    AdmissionLimits,
     CoordinatorCore,
     DispatchOrder,
     EvictOrder,
@@ -108,6 +109,7 @@ class Coordinator:
         liveness_interval_s: float = 0.5,
         metrics: CoordinatorMetrics | None = None,
         lso: LSOSettings | None = None,
+        limits: AdmissionLimits | None = None,
     ) -> None:
         self.amqp_url = amqp_url
         self.store = store
@@ -117,7 +119,9 @@ class Coordinator:
         self.delivery_limit = delivery_limit
         self.max_body_bytes = max_body_bytes
         self.liveness_interval_s = liveness_interval_s
-        self.core = CoordinatorCore(policy, heartbeat_timeout_s=heartbeat_timeout_s, lso=lso)
+        self.core = CoordinatorCore(
+            policy, heartbeat_timeout_s=heartbeat_timeout_s, lso=lso, limits=limits
+        )
         self.metrics = metrics or CoordinatorMetrics()
         self._conn: AbstractRobustConnection | None = None
         self._events_conn: AbstractRobustConnection | None = None
@@ -256,6 +260,19 @@ class Coordinator:
         if outcome == "answered":
             # Already replied (an ack was lost): settle the copy without a second reply.
             await message.ack()
+            return
+        if outcome == "overloaded":
+            # Shed explicitly: an error reply, a dead-letter copy with the reason (operators
+            # see what was refused), and an ack. Never a silent drop.
+            limit, why = self.core.last_shed
+            self.metrics.observe_shed(limit)
+            err = InvalidRequest(
+                ErrorCode.OVERLOADED,
+                f"overloaded: {why}; retry later",
+                req.request_id,
+                {"limit": limit},
+            )
+            await self._reject(message, err, now)
             return
         self.ingested += 1
         if outcome == "new" and tracked is not None:
