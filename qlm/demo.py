@@ -134,6 +134,7 @@ class LocalCluster:
         self.admin_url = f"http://127.0.0.1:{self.admin_port}"
         self.extra_env = extra_env or {}
         self.coordinator: subprocess.Popen[bytes] | None = None
+        self.standby: subprocess.Popen[bytes] | None = None
         self.agents: dict[str, subprocess.Popen[bytes]] = {}
 
     def _env(self) -> dict[str, str]:
@@ -151,14 +152,25 @@ class LocalCluster:
         env.update(self.extra_env)
         return env
 
-    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
+    def _spawn(
+        self, name: str, args: list[str], env: dict[str, str] | None = None
+    ) -> subprocess.Popen[bytes]:
         logf = open(self.workdir / f"{name}.log", "wb")  # noqa: SIM115 - lives with the child
         return subprocess.Popen(
             [sys.executable, "-m", "qlm.cli", *args],
-            env=self._env(),
+            env={**self._env(), **(env or {})},
             stdout=logf,
             stderr=subprocess.STDOUT,
         )
+
+    def start_standby(self) -> str:
+        """A second coordinator (its own admin port): single-active-consumer keeps it idle
+        until the active one's connection dies, then it takes over. Returns its admin URL."""
+        port = _free_port()
+        self.standby = self._spawn(
+            "coordinator-standby", ["coordinator"], {"QLM_ADMIN_PORT": str(port)}
+        )
+        return f"http://127.0.0.1:{port}"
 
     def start_agent(self, spec: dict[str, Any]) -> None:
         """``spec``: agent_id, models, and optionally backend ("sim" | "vllm"), gpu_type,
@@ -207,7 +219,7 @@ class LocalCluster:
             )
 
     def stop(self) -> None:
-        procs = [*self.agents.values(), *([self.coordinator] if self.coordinator else [])]
+        procs = [*self.agents.values(), *(p for p in (self.coordinator, self.standby) if p)]
         for p in procs:
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)

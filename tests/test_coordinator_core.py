@@ -259,3 +259,25 @@ def test_lso_orders_respect_settings_and_model_state_changes() -> None:
     }
     models, evictions = core.lso_orders(_plan_with_lso(core, entry))
     assert evictions == [] and [m.states for m in models] == [{"mistral-7b": "active"}]
+
+
+def test_takeover_adopts_work_the_agents_are_running() -> None:
+    """A new coordinator gets the old one's unacked requests redelivered; the ones an agent
+    reports running are marked running there, not dispatched again."""
+    from qlm.coordinator.core import ADOPTED_DISPATCH
+
+    core = core_with({"a": 1})
+    requeued, order = _dispatched(core)  # this coordinator's own attempt, then evicted
+    core.on_evicted(_evicted(order, [1]), now=1.0)
+    running = admit(core)
+    waiting = admit(core)
+    hb = heartbeat("a")
+    hb.instances[0].in_flight = [running.request_id, requeued.request_id, "unknown"]
+    core.on_heartbeat(hb, now=2.0)
+    assert running.state == TrackState.DISPATCHED and running.dispatch_id == ADOPTED_DISPATCH
+    assert core.instances["a-gpu0"].running[running.request_id] == ADOPTED_DISPATCH
+    assert running.request_id not in list(core.instances["a-gpu0"].queue)
+    assert waiting.state == TrackState.QUEUED  # not reported running: dispatched as usual
+    assert requeued.state == TrackState.QUEUED  # ours, evicted: a stale report is not adoption
+    # its result, whatever dispatch id the old coordinator gave it, is the one answered
+    assert core.accept_result(running.request_id, "old-coordinators-id") is running

@@ -35,6 +35,9 @@ from qlm.virtual_queue import VirtualQueue
 
 log = structlog.get_logger(__name__)
 
+# dispatch id of work adopted from a previous coordinator (its real id is unknown here)
+ADOPTED_DISPATCH = "adopted"
+
 
 class TrackState(StrEnum):
     QUEUED = "queued"  # in a virtual queue, or unassigned
@@ -318,9 +321,28 @@ class CoordinatorCore:
             inst.info = status.info
             inst.last_seen = now
             inst.last_status = status
+            self._adopt(inst, status.in_flight)
         if new:
             self._place_unassigned(now)
         return new
+
+    def _adopt(self, inst: InstanceState, in_flight: list[str]) -> None:
+        """After a takeover: requests redelivered to this coordinator that an engine is already
+        running (dispatched by the coordinator that died) are marked running there instead of
+        being dispatched a second time. Only requests this coordinator never dispatched
+        (``attempts == 0``) qualify, so an eviction or requeue racing a heartbeat is never
+        mistaken for running work. Their result, whatever its dispatch id, is accepted."""
+        for rid in in_flight:
+            tracked = self.requests.get(rid)
+            if tracked is None or tracked.state != TrackState.QUEUED or tracked.attempts:
+                continue
+            self._unqueue(tracked)
+            tracked.state = TrackState.DISPATCHED
+            tracked.instance_id = inst.instance_id
+            tracked.dispatch_id = ADOPTED_DISPATCH
+            tracked.attempts = 1
+            inst.running[rid] = ADOPTED_DISPATCH
+            log.info("request_adopted", request_id=rid, instance_id=inst.instance_id)
 
     def _place_unassigned(self, now: float) -> None:
         waiting, self.unassigned = self.unassigned, []

@@ -73,6 +73,9 @@ from qlm.types import (
 
 log = structlog.get_logger(__name__)
 
+ORPHAN_TTL_S = 60.0  # how long a result waits for its request to be (re)delivered
+MAX_ORPHANS = 1000  # held results at most (they hold control-queue prefetch slots)
+
 EVENT_EXCHANGE = "amq.rabbitmq.event"
 AGENT_QUEUE_PREFIX = agent_queue("")
 
@@ -135,6 +138,10 @@ class Coordinator:
         self._store_seen = (0, 0)  # (failures, committed) at the last health check
         self._last_auto_replan = float("-inf")
         self._last_replan_s = 0.0
+        # Results for requests not (yet) tracked: after a takeover a completion can arrive
+        # before the broker redelivers its request. Held unacked for ORPHAN_TTL_S and answered
+        # when the request shows up, instead of being dropped and the work repeated.
+        self._orphans: dict[str, tuple[Completion, AbstractIncomingMessage, float]] = {}
         self.ingested = 0
         self.received_at_first: float | None = None
 
@@ -275,6 +282,9 @@ class Coordinator:
             await self._reject(message, err, now)
             return
         self.ingested += 1
+        orphan = self._orphans.pop(req.request_id, None) if outcome == "new" else None
+        if orphan is not None:  # its result came first (a takeover): answer it now
+            self._spawn(self._complete(orphan[0], orphan[1]))
         if outcome == "new" and tracked is not None:
             self.store.record_received(
                 request_id=req.request_id,
@@ -485,6 +495,19 @@ class Coordinator:
             await message.ack()
 
     async def _complete(self, c: Completion, ctl_msg: AbstractIncomingMessage) -> None:
+        rid = c.request_id
+        if rid not in self.core.requests and rid not in self.core.answered:
+            previous = self._orphans.pop(rid, None)
+            if previous is not None:
+                with contextlib.suppress(Exception):
+                    await previous[1].ack()
+            if len(self._orphans) >= MAX_ORPHANS:  # bounded: the oldest's work is repeated
+                oldest = min(self._orphans, key=lambda k: self._orphans[k][2])
+                with contextlib.suppress(Exception):
+                    await self._orphans.pop(oldest)[1].ack()
+            self._orphans[rid] = (c, ctl_msg, time.monotonic())
+            log.info("result_held_for_request", request_id=rid, instance_id=c.instance_id)
+            return
         t = self.core.accept_completion(c)
         if t is None:
             log.info("duplicate_result_ignored", request_id=c.request_id, instance_id=c.instance_id)
@@ -648,9 +671,21 @@ class Coordinator:
                         detail={"reason": "heartbeat_timeout"},
                     )
                     self.metrics.observe_requeue("heartbeat_timeout")
+            await self._expire_orphans()
             if self.core.instances:
                 self._pump()
             self._refresh_gauges()
+
+    async def _expire_orphans(self) -> None:
+        """A held result whose request never came (it was answered before a restart and fell
+        out of the answered set, or its request was dead-lettered) is dropped after a while."""
+        cutoff = time.monotonic() - ORPHAN_TTL_S
+        for rid, (_, msg, held_at) in list(self._orphans.items()):
+            if held_at < cutoff:
+                del self._orphans[rid]
+                log.info("held_result_dropped", request_id=rid)
+                with contextlib.suppress(Exception):
+                    await msg.ack()
 
     def _record_instance(self, instance_id: str, status: str, at: float) -> None:
         info = self.core.instances[instance_id].info
