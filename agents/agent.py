@@ -130,6 +130,9 @@ class Agent:
             caps = inst.engine.capabilities()
             inst.info = inst.info.model_copy(
                 update={
+                    # known only once the engine runs (vLLM sizes its KV cache at start)
+                    "kv_capacity_tokens": inst.engine.kv_capacity_tokens,
+                    "max_batch_size": inst.engine.max_batch_size,
                     "capabilities": {
                         "exact_resume": caps.exact_resume,
                         "prefix_caching": caps.prefix_caching,

@@ -254,6 +254,7 @@ async def test_whole_path_with_eviction_and_exact_resume_on_vllm(
             info = coord.core.instances["vl-gpu0"].info
             assert info.engine == "vllm" and info.capabilities["exact_resume"]
             assert info.capabilities["sleep_mode"] is False and info.capability_notes
+            assert info.kv_capacity_tokens == eng.kv_capacity_tokens > 0
             whole = await client.request(request("whole"), timeout=120)
             assert isinstance(whole, ResultMessage) and len(whole.output_token_ids) == 400
             fut = await client.submit(request("cut"))
