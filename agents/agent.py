@@ -48,6 +48,7 @@ from qlm.types import CONTENT_TYPE
 log = structlog.get_logger(__name__)
 
 GATE_WINDOW = 8  # SABER looks this far into the dispatched requests it holds back
+BEST_EFFORT_HELD_MAX = 32  # demoted requests the agent holds before it stops pulling
 
 
 @dataclass
@@ -399,8 +400,11 @@ class Agent:
                 want = inst.engine.wants() - inst.owed
                 if self.admission_gate is not None:
                     self._admit(inst)
-                    # keep a window of held requests for the gate to choose from, no more
-                    want = min(want, GATE_WINDOW - len(inst.held)) if not inst.best_effort else 0
+                    # keep a window of held requests for the gate to choose from, no more;
+                    # demoted ones wait in their own tier, bounded so they cannot pile up
+                    want = min(want, GATE_WINDOW - len(inst.held))
+                    if len(inst.best_effort) >= BEST_EFFORT_HELD_MAX:
+                        want = 0
                 if want > 0:
                     inst.owed += want
                     try:
