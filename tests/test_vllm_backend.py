@@ -230,7 +230,8 @@ async def test_whole_path_with_eviction_and_exact_resume_on_vllm(
     await coord.start()
     eng = VllmEngine(
         {MODEL: str(tiny_model)},
-        VllmSettings(max_model_len=MAX_MODEL_LEN, max_num_seqs=4, kv_cache_memory_bytes=32 * 2**20),
+        # long outputs (~1 s each here): the eviction has time to arrive mid-request
+        VllmSettings(max_model_len=2048, max_num_seqs=4, kv_cache_memory_bytes=32 * 2**20),
     )
     agent = Agent(isolated_amqp_url, [eng], agent_id="vl", engine_name="vllm", gpu_type="cpu")
     await agent.start()
@@ -240,7 +241,7 @@ async def test_whole_path_with_eviction_and_exact_resume_on_vllm(
             request_id=rid,
             model=MODEL,
             prompt_token_ids=PROMPT,
-            max_tokens=400,
+            max_tokens=1000,
             sampling=SamplingParams(temperature=0.0, ignore_eos=True),
             slo=SLO(e2e_ms=600_000),
         )
@@ -256,20 +257,29 @@ async def test_whole_path_with_eviction_and_exact_resume_on_vllm(
             assert info.capabilities["sleep_mode"] is False and info.capability_notes
             assert info.kv_capacity_tokens == eng.kv_capacity_tokens > 0
             whole = await client.request(request("whole"), timeout=120)
-            assert isinstance(whole, ResultMessage) and len(whole.output_token_ids) == 400
-            fut = await client.submit(request("cut"))
-            while not (  # noqa: ASYNC110 - polls engine state
-                "cut" in eng._live and len(eng._live["cut"].new_ids) >= 20
-            ):
-                await asyncio.sleep(0.005)
-            t = coord.core.requests["cut"]
-            assert t.state == TrackState.DISPATCHED and t.dispatch_id is not None
-            await coord._send_lso([], [EvictOrder(t, "vl-gpu0", "vl", t.dispatch_id, "evict")])
-            cut = await asyncio.wait_for(asyncio.shield(fut), 120)
-            assert isinstance(cut, ResultMessage)
-            assert cut.attempts == 2 and agent.evicted == 1
-            assert cut.output_token_ids == whole.output_token_ids
-            assert cut.output_text == whole.output_text
+            assert isinstance(whole, ResultMessage) and len(whole.output_token_ids) == 1000
+            # The eviction races the request's own end (~1 s of tokens on this CPU, with the
+            # coordinator, the agent and vLLM's output handling sharing this test's event loop,
+            # so the Evict is sometimes delivered late): when the completion wins, that is a
+            # correct outcome too (checked below); try again with a new request.
+            for attempt in range(10):
+                rid = f"cut{attempt}"
+                fut = await client.submit(request(rid))
+                while not fut.done() and not (  # noqa: ASYNC110 - polls engine state
+                    rid in eng._live and len(eng._live[rid].new_ids) >= 5
+                ):
+                    await asyncio.sleep(0.002)
+                t = coord.core.requests.get(rid)
+                if t is not None and t.state == TrackState.DISPATCHED and t.dispatch_id:
+                    order = EvictOrder(t, "vl-gpu0", "vl", t.dispatch_id, "evict")
+                    await coord._send_lso([], [order])
+                cut = await asyncio.wait_for(asyncio.shield(fut), 120)
+                assert isinstance(cut, ResultMessage)
+                assert cut.output_token_ids == whole.output_token_ids
+                assert cut.output_text == whole.output_text
+                if cut.attempts == 2:
+                    break
+            assert cut.attempts == 2 and agent.evicted == 1, "the eviction never won the race"
             await asyncio.sleep(0.3)
             assert client.duplicate_count() == 0
     finally:
