@@ -13,7 +13,9 @@ it does not slow a running request below its frozen speed (SABER serves its low-
 only when the high-priority one is empty; here the plan's order decides who is pulled first).
 
 f(L) comes from the engine performance model here; a measured USL fit (``qlm profile``) can
-replace it: the gate only needs a callable.
+replace it: the gate only needs a callable. :meth:`SLOAdmissionGate.admits_in_time` is
+SABER's check exactly, for callers that keep hopeless requests in a separate low-priority
+queue (the simulator's ``pull_gate="saber"``).
 """
 
 from __future__ import annotations
@@ -48,6 +50,12 @@ class SLOAdmissionGate:
         if predicted < floor:
             return False
         return self.best_effort(req_speed) or predicted >= req_speed
+
+    def admits_in_time(self, running: int, req_speed: float, floor: float) -> bool:
+        """SABER's Algorithm 1 check, with no best-effort pass (SABER demotes those requests
+        to a low-priority queue instead): f(L + 1) >= reqSpd and f(L + 1) >= ``floor``."""
+        predicted = self.speed(running + 1)
+        return predicted >= req_speed and predicted >= floor
 
 
 @dataclass(frozen=True)

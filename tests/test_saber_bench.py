@@ -1,33 +1,145 @@
 """The SABER benchmark's machinery: per-column engine settings (a static max-num-seqs cap,
-SABER's admission) on the same workload, and its target check."""
+SABER's admission) on the same workload, SABER's Algorithm 1 in the simulator, its USL f(L)
+profiled on the simulated engine, and the target check."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 from typing import Any
 
+import pytest
+
 from planner import create_policy
-from qlm.simulator.cluster import ClusterSimulator
+from qlm.admission import SLOAdmissionGate, USLSpeedModel
+from qlm.engine_model import get_profile
+from qlm.simulator.cluster import ClusterSimulator, InstanceSpec, LSOSwitches, SimConfig
 from qlm.simulator.presets import PRESETS
 from qlm.simulator.runner import (
     PolicyVariant,
+    expand_variants,
     instance_specs,
     run_scenario,
     scenario_requests,
     sim_config,
 )
+from qlm.simulator.saber import fit_decode_speed, fit_engine_speed
+from qlm.simulator.scenario import ScenarioError, ScenarioSpec
 from qlm.simulator.targets import check_saber
+from qlm.simulator.workload import SimRequest
+
+MODEL = "mistral-7b"
 
 
 def _factory(name: str, overrides: Any) -> Any:
     return create_policy(name, **overrides)
 
 
-def _short_spec() -> Any:
-    spec = PRESETS["saber"].spec()
-    return spec.model_copy(update={"duration_s": 60.0})
+def _short_spec(duration: float = 60.0) -> Any:
+    return PRESETS["saber"].spec().model_copy(update={"duration_s": duration})
 
 
+# ---------------------------------------------------------------------------- the gate itself
+def test_saber_check_admits_only_when_the_predicted_speed_meets_both_needs() -> None:
+    f = USLSpeedModel(lam=100.0, sigma=0.5, kappa=0.0)  # f(1)=100, f(2)=66.7, f(3)=50
+    gate = SLOAdmissionGate(f)
+    assert gate.admits_in_time(0, 90.0, 0.0)  # alone: 100 >= 90
+    assert not gate.admits_in_time(1, 70.0, 0.0)  # f(2) = 66.7 < 70: the candidate would miss
+    assert not gate.admits_in_time(1, 10.0, 80.0)  # a running request needs 80 > f(2)
+    assert gate.admits_in_time(2, 50.0, 50.0)  # f(3) = 50 meets both exactly
+    assert gate.best_effort(101.0) and not gate.best_effort(100.0)
+    # unlike qlm's gate, SABER's check never passes a hopeless request (it is demoted instead)
+    assert gate.admits(0, 500.0, 0.0) and not gate.admits_in_time(0, 500.0, 0.0)
+
+
+def _req(rid: str, t: float, output: int, slo: float) -> SimRequest:
+    return SimRequest(rid, MODEL, t, 16, output, output, "c", slo, None, "s")
+
+
+def _saber_sim(requests: list[SimRequest], f: USLSpeedModel) -> ClusterSimulator:
+    config = SimConfig(
+        lso=LSOSwitches(slo_pull=True),
+        pull_gate="saber",
+        speed_models={"i0": {MODEL: f}},
+        drain_s=120.0,
+    )
+    spec = InstanceSpec("i0", "A100-80GB", (MODEL,))
+    return ClusterSimulator([spec], create_policy("fcfs"), requests, config)
+
+
+def test_demoted_requests_run_only_once_the_high_priority_queue_is_empty() -> None:
+    f = USLSpeedModel(lam=100.0, sigma=0.5, kappa=0.0)
+    reqs = [
+        _req("fast", 0.0, 90, 1.0),  # needs 90 tok/s: admitted alone, freezes the floor at 90
+        _req("held", 0.01, 100, 20.0),  # needs 5, but f(2) = 66.7 < 90: waits in the HPQ
+        _req("hopeless", 0.02, 1000, 2.0),  # needs 500 > f(1): demoted to the LPQ
+    ]
+    sim = _saber_sim(reqs, f)
+    result = sim.run()
+    jobs = sim.jobs
+    assert sim.demoted == 1 and result.demoted == 1
+    assert all(j.finished_s is not None for j in jobs.values())
+    fast, held, hopeless = jobs["fast"], jobs["held"], jobs["hopeless"]
+    assert fast.req_speed == pytest.approx(90.0)
+    assert held.started_s is not None and fast.finished_s is not None
+    assert held.started_s >= fast.finished_s  # denied while "fast" ran (the floor)
+    assert hopeless.started_s is not None and hopeless.started_s >= held.started_s
+    assert hopeless.req_speed == 0.0  # best effort: no frozen speed of its own
+
+
+def test_a_demoted_request_is_served_at_once_when_nothing_else_waits() -> None:
+    f = USLSpeedModel(lam=100.0, sigma=0.5, kappa=0.0)
+    sim = _saber_sim([_req("hopeless", 0.0, 1000, 2.0)], f)
+    sim.run()
+    job = sim.jobs["hopeless"]
+    assert sim.demoted == 1 and job.started_s == 0.0 and job.finished_s is not None
+
+
+def test_requests_become_hopeless_while_they_wait_and_are_demoted_then() -> None:
+    f = USLSpeedModel(lam=100.0, sigma=0.5, kappa=0.0)
+    reqs = [
+        _req("long", 0.0, 400, 5.0),  # needs 80: alone; holds the floor about 4 s
+        _req("short", 0.01, 50, 1.5),  # needs 34, f(2) = 66.7 < 80: waits; hopeless at ~1 s
+    ]
+    sim = _saber_sim(reqs, f)
+    sim.run()
+    long_, short = sim.jobs["long"], sim.jobs["short"]
+    assert sim.demoted == 1
+    assert short.started_s is not None and long_.finished_s is not None
+    assert short.started_s >= long_.finished_s - 1e-9
+
+
+def test_the_saber_gate_needs_a_speed_model() -> None:
+    config = SimConfig(lso=LSOSwitches(slo_pull=True), pull_gate="saber")
+    spec = InstanceSpec("i0", "A100-80GB", (MODEL,))
+    with pytest.raises(ValueError, match="needs f\\(L\\)"):
+        ClusterSimulator([spec], create_policy("fcfs"), [_req("a", 0.0, 10, 1.0)], config)
+
+
+# ---------------------------------------------------------------------------- f(L) profiling
+def test_decode_sweep_fits_the_engine_speed() -> None:
+    profile = get_profile("A100-80GB", MODEL)
+    fit = fit_decode_speed(profile, "A100-80GB", MODEL, [(200, 100), (600, 300)], levels=[1, 4, 16])
+    assert fit.setting == (400, 200) and {n for n, _ in fit.points} == {1, 4, 16}
+    # batch 1: the decode speed is one token per decode iteration
+    alone = 1.0 / profile.decode_iteration_time(1, 500)
+    assert fit.usl.lam == pytest.approx(alone, rel=0.1)
+    assert fit.usl(16) < fit.usl(4) < fit.usl(1)
+    # within a level, requests that finish their prefill first see the others' prefill
+    # chunks between their tokens: the spread the R² measures
+    assert fit.usl.r_squared is not None and fit.usl.r_squared <= 1.0
+
+
+def test_open_loop_profiling_sees_load_grow_with_the_rate() -> None:
+    profile = get_profile("A100-80GB", MODEL)
+    fit = fit_engine_speed(
+        profile, "A100-80GB", MODEL, [(300, 150)], rates=(0.5, 8.0, 40.0), requests_per_rate=60
+    )
+    assert len(fit.points) == 180 and fit.method == "e2e"
+    assert max(n for n, _ in fit.points) > 8  # overload fills the engine
+    assert fit.usl(32) < fit.usl(1)
+
+
+# ---------------------------------------------------------------------------- columns and caps
 def test_a_static_cap_bounds_every_engine_batch() -> None:
     _, spec = _short_spec().sweep_points()[-1]  # the highest rate
     policy = create_policy("fcfs")
@@ -51,7 +163,75 @@ def test_a_static_cap_bounds_every_engine_batch() -> None:
     assert result.metrics()["completed"] > 0 and seen and max(seen) == 4  # reached, never passed
 
 
-def test_variants_run_side_by_side_and_the_target_is_checked() -> None:
+def _file_scenario(**extra: Any) -> dict[str, Any]:
+    return {
+        "name": "cap",
+        "duration_s": 30,
+        "pools": [{"gpu": "A100-80GB", "count": 1, "models": [MODEL], "max_num_seqs": 8}],
+        "streams": [
+            {
+                "name": "s",
+                "models": [MODEL],
+                "slo_class": "c",
+                "e2e_slo_s": 5.0,
+                "arrival": {"process": "poisson", "rate_rps": 4.0},
+                "lengths": {"source": "fixed", "prompt_tokens": 64, "output_tokens": 64},
+            }
+        ],
+        "policies": ["fcfs"],
+        **extra,
+    }
+
+
+def test_caps_and_variants_are_scenario_file_settings() -> None:
+    spec = ScenarioSpec.model_validate(
+        _file_scenario(
+            variants=[
+                {"name": "mns=2", "policy": "fcfs", "max_num_seqs": 2},
+                {"name": "saber", "policy": "fcfs", "admission": "saber"},
+            ]
+        )
+    )
+    assert [i.max_num_seqs for i in instance_specs(spec)] == [8]  # the pool's cap
+    columns = expand_variants(spec, [PolicyVariant("fcfs", "fcfs")])
+    assert [(c.label, c.max_num_seqs, c.slo_pull, c.pull_gate) for c in columns] == [
+        ("mns=2", 2, None, None),
+        ("saber", None, True, "saber"),
+    ]
+    summary = run_scenario(spec, _factory)
+    assert list(summary["policies"]) == ["mns=2", "saber"]
+    fit = summary["speed_models"]["saber"][""]["A100-80GB-0"][MODEL]
+    assert fit["method"] == "decode" and fit["lam"] > 0 and "r_squared" in fit
+
+
+@pytest.mark.parametrize(
+    ("variants", "message"),
+    [
+        ([{"name": "x", "policy": "edf"}], "variants.0.policy"),
+        ([{"name": "x", "policy": "fcfs"}, {"name": "x", "policy": "fcfs"}], "variants.1.name"),
+        ([{"name": "x", "policy": "fcfs", "admission": "maybe"}], "variants.0.admission"),
+        ([{"name": "x", "policy": "fcfs", "max_num_seqs": 0}], "variants.0.max_num_seqs"),
+    ],
+)
+def test_bad_variants_are_named(variants: list[dict[str, Any]], message: str) -> None:
+    with pytest.raises(ScenarioError, match=message):
+        ScenarioSpec.model_validate(_file_scenario(variants=variants))
+
+
+def test_the_preset_runs_its_columns_side_by_side_reproducibly() -> None:
+    spec = _short_spec(30.0)
+    first = run_scenario(spec, _factory)
+    second = run_scenario(spec, _factory)
+    names = [f"mns={n}" for n in (4, 8, 16, 32, 64, 128, 256)]
+    assert list(first["policies"]) == [*names, "saber", "saber-e2e", "qlm-gate"]
+    for name, entry in first["policies"].items():
+        assert entry["slo_attainment"] == second["policies"][name]["slo_attainment"]
+        assert len(entry["slo_attainment"]) == len(first["sweep"]["values"])
+    assert first["speed_models"] == second["speed_models"]
+    assert "demoted" in first["policies"]["saber"] and "demoted" not in first["policies"]["mns=8"]
+
+
+def test_the_target_compares_saber_with_the_best_static_cap() -> None:
     spec = _short_spec()
     variants = [
         PolicyVariant("mns=8", "fcfs", max_num_seqs=8),
@@ -61,8 +241,7 @@ def test_variants_run_side_by_side_and_the_target_is_checked() -> None:
     summary = run_scenario(spec, _factory, variants=variants)
     assert set(summary["policies"]) == {"mns=8", "mns=256", "saber"}
     att = {p: summary["policies"][p]["slo_attainment"] for p in summary["policies"]}
-    # the cap changes what the same workload gets (8 sequences per A100 is too few here)
-    assert att["mns=8"] != att["mns=256"]
+    assert att["mns=8"] != att["mns=256"]  # the cap changes what the same workload gets
     checks = check_saber(summary)
     rates = [float(v) for v in summary["sweep"]["variants"]]
     assert len(checks) == sum(1 for r in rates if r >= 5)

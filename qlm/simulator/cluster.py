@@ -26,8 +26,10 @@ import dataclasses
 import heapq
 import itertools
 import math
+import random
 import time
-from collections.abc import Callable, Sequence
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -44,7 +46,6 @@ log = structlog.get_logger(__name__)
 
 MIN_QUEUED_PER_INSTANCE = 2  # the live coordinator's rule for automatic replans
 PULL_WINDOW = 16  # SLO-aware pull: how far past the head of the virtual queue the gate looks
-DEMOTION_SCAN = 512  # SABER mode: how deep the demotion scan looks for a request still in time
 
 
 @dataclass(frozen=True)
@@ -82,10 +83,16 @@ class SimConfig:
     static_batch: int | None = None  # SHEPHERD: fixed batches, no continuous batching
     record_estimates: bool = False  # keep the policy's predicted completion times
     max_decode_run: int | None = None  # cap on iterations per decode jump (tests: 1)
-    # the SLO-aware pull's treatment of requests that cannot make their deadline: "qlm" pulls
-    # them in plan order while they slow no running request; "saber" (Algorithm 1) demotes
-    # them and serves them only when no request that can still make it waits
+    # the SLO-aware pull: "qlm" (qlm's LSO) uses the engine model for the instance's current
+    # mix as f(L) and pulls requests that cannot make their deadline in plan order while they
+    # slow no running request; "saber" (SABER's Algorithm 1) uses a USL fit of f(L) from
+    # ``speed_models``, demotes such requests to a per-instance low-priority queue and serves
+    # it only when the instance's virtual queue (the high-priority queue) is empty
     pull_gate: str = "qlm"
+    # "saber": instance id -> model -> f(L) (runner.saber_speed_fits profiles and fits them)
+    speed_models: Mapping[str, Mapping[str, Callable[[int], float]]] = field(default_factory=dict)
+    saber_window: int = 16  # SABER's windowSize: the head of the queue it samples from
+    seed: int = 0  # SABER's random pick inside the window
 
 
 @dataclass
@@ -112,6 +119,9 @@ class SimResult:
     planner_wall_s: float
     wall_s: float
     events: int
+    # SABER runs: instance id -> model -> the USL fit the gate used (runner.simulate fills it)
+    speed_fits: dict[str, dict[str, Any]] = field(default_factory=dict)
+    demoted: int = 0  # SABER runs: requests moved to a low-priority queue
 
     def metrics(self) -> dict[str, Any]:
         """The summary figures ``qlm bench sim`` reports."""
@@ -160,6 +170,33 @@ def _quantile(sorted_values: Sequence[float], q: float) -> float | None:
 _ARRIVAL, _STEP, _TICK, _ADOPT = 0, 1, 2, 3
 
 
+def instance_profiles(
+    spec: InstanceSpec, cache: dict[tuple[str, str, int | None], EngineProfile] | None = None
+) -> dict[str, EngineProfile]:
+    """The engine profile of every model of an instance: a measured one where given, else the
+    roofline one at the instance's TP degree, with the instance's batch cap."""
+    cache = {} if cache is None else cache
+    measured = {p.model.name: p for p in spec.profiles}
+    tp = spec.tp
+    if tp is None:  # the models share one GPU group: the largest degree any needs
+        tp = max(
+            measured[m].tp if m in measured else get_profile(spec.gpu_type, m).tp
+            for m in spec.models
+        )
+    profiles = {}
+    for m in spec.models:
+        if m in measured:
+            profiles[m] = measured[m]
+            continue
+        key = (spec.gpu_type, m, tp)
+        if key not in cache:
+            cache[key] = get_profile(spec.gpu_type, m, tp=tp)
+        profiles[m] = cache[key]
+    if spec.max_num_seqs is not None:
+        profiles = {m: replace(p, max_num_seqs=spec.max_num_seqs) for m, p in profiles.items()}
+    return profiles
+
+
 class ClusterSimulator:
     def __init__(
         self,
@@ -184,26 +221,7 @@ class ClusterSimulator:
         self.instances: dict[str, SimInstance] = {}
         cache: dict[tuple[str, str, int | None], EngineProfile] = {}
         for spec in instances:
-            measured = {p.model.name: p for p in spec.profiles}
-            tp = spec.tp
-            if tp is None:  # the models share one GPU group: the largest degree any needs
-                tp = max(
-                    measured[m].tp if m in measured else get_profile(spec.gpu_type, m).tp
-                    for m in spec.models
-                )
-            profiles = {}
-            for m in spec.models:
-                if m in measured:
-                    profiles[m] = measured[m]
-                    continue
-                key = (spec.gpu_type, m, tp)
-                if key not in cache:
-                    cache[key] = get_profile(spec.gpu_type, m, tp=tp)
-                profiles[m] = cache[key]
-            if spec.max_num_seqs is not None:
-                profiles = {
-                    m: replace(p, max_num_seqs=spec.max_num_seqs) for m, p in profiles.items()
-                }
+            profiles = instance_profiles(spec, cache)
             inst = SimInstance(
                 spec.instance_id,
                 spec.gpu_type,
@@ -234,6 +252,28 @@ class ClusterSimulator:
         self._plan_pending = False
         self._estimates: dict[str, float] = {}
         self.events = 0
+        # SABER mode: per-instance low-priority queues, and when each queued request becomes
+        # hopeless (a heap of (time, seq, job))
+        if self.config.pull_gate not in ("qlm", "saber"):
+            raise ValueError(f"pull_gate must be 'qlm' or 'saber', not {self.config.pull_gate!r}")
+        self._saber = self.config.lso.slo_pull and self.config.pull_gate == "saber"
+        self._lpq: dict[str, deque[SimJob]] = {iid: deque() for iid in self.instances}
+        self._hopeless: list[tuple[float, int, SimJob]] = []
+        self._rng = random.Random(self.config.seed)
+        self.demoted = 0
+        if self._saber:
+            self._check_speed_models()
+
+    def _check_speed_models(self) -> None:
+        served = {r.model for r in self.requests}
+        for iid, inst in self.instances.items():
+            have = self.config.speed_models.get(iid, {})
+            missing = [m for m in inst.models if m in served and m not in have]
+            if missing:
+                raise ValueError(
+                    f"the SABER gate needs f(L) for {missing} on {iid} "
+                    "(SimConfig.speed_models; runner.saber_speed_fits profiles them)"
+                )
 
     # ------------------------------------------------------------------ event plumbing
     def _push(self, t: float, kind: int, payload: Any = None, version: int = 0) -> None:
@@ -312,12 +352,18 @@ class ClusterSimulator:
         self.queues[target].insert(job.req.request_id, self.policy.sort_key(job.view))
         self.queued_tokens[target] += self.policy.work_tokens(job.view)
         job.queue_id = target
+        if self._saber:
+            self._watch_demotion(job, target)
         return target
 
     def _feed(self, inst: SimInstance) -> None:
         """The agent's pull: dispatch the head of the virtual queue while the engine wants it."""
         queue = self.queues[inst.instance_id]
         want = inst.wants()
+        if self._saber:
+            if want > 0:
+                self._feed_saber(inst, queue, want)
+            return
         if want <= 0 or not len(queue):
             return
         if self.config.lso.slo_pull:
@@ -339,10 +385,6 @@ class ClusterSimulator:
         load = len(inst.running) + len(inst.waiting)
         floor = inst.speed_floor()
         batch: list[SimJob] = []
-        if self.config.pull_gate == "saber":
-            self._feed_saber(inst, queue, want, load, floor, batch)
-            self._take(inst, queue, batch)
-            return
         for rid in queue.head(PULL_WINDOW):
             job = self.jobs[rid]
             need = required_speed(job.view.max_tokens, job.view.deadline, now)
@@ -367,43 +409,84 @@ class ClusterSimulator:
         if batch:
             inst.enqueue(batch, self.now)
 
-    def _feed_saber(
-        self,
-        inst: SimInstance,
-        queue: VirtualQueue,
-        want: int,
-        load: int,
-        floor: float,
-        batch: list[SimJob],
-    ) -> None:
-        """SABER's Algorithm 1: requests that cannot make their deadline even alone are
-        demoted (they do not use up the window); the window over the rest admits what keeps
-        f(L + 1) above every frozen required speed; the demoted ones are served, without a
-        speed check, only when no request that can still make it waits."""
+    # ------------------------------------------------------------------ SABER (Algorithm 1)
+    def _speed(self, iid: str, model: str) -> Callable[[int], float]:
+        return self.config.speed_models[iid][model]
+
+    def _watch_demotion(self, job: SimJob, iid: str) -> None:
+        """Note when a queued request stops being able to make its deadline even alone:
+        reqSpd(t) = maxTokens / (deadline - t) passes f(1) at deadline - maxTokens / f(1)."""
+        deadline = job.view.deadline
+        if deadline is None or not math.isfinite(deadline):
+            return
+        fastest = self._speed(iid, job.req.model)(1)
+        hopeless_at = deadline - job.view.max_tokens / fastest
+        heapq.heappush(self._hopeless, (hopeless_at, next(self._seq), job))
+
+    def _demote_due(self) -> None:
+        """Move every queued request that can no longer make its deadline, even running alone,
+        from its virtual queue (SABER's high-priority queue) to the low-priority one."""
         now = self.now
-        in_time = 0
-        demoted: list[SimJob] = []
-        for rid in queue.head(DEMOTION_SCAN):
-            job = self.jobs[rid]
+        heap = self._hopeless
+        while heap and heap[0][0] <= now:
+            _, _, job = heapq.heappop(heap)
+            iid = job.queue_id
+            if iid is None or job.req.request_id not in self.queues[iid]:
+                continue  # dispatched (or unassigned) since
             need = required_speed(job.view.max_tokens, job.view.deadline, now)
-            gate = SLOAdmissionGate(
-                lambda n, j=job: inst.decode_speed(n, j)  # type: ignore[misc]
-            )
-            if gate.best_effort(need):
-                demoted.append(job)
+            if need <= self._speed(iid, job.req.model)(1):
+                self._watch_demotion(job, iid)  # re-placed on an instance with another f
                 continue
-            in_time += 1
-            if in_time > PULL_WINDOW or len(batch) >= want:
-                break
-            if gate.admits(load, need, floor):
-                job.req_speed = need
-                floor = max(floor, need)
-                load += 1
-                batch.append(job)
-        if in_time == 0:  # the high-priority queue is empty
-            for job in demoted[: max(0, want - len(batch))]:
-                job.req_speed = 0.0
-                batch.append(job)
+            self.queues[iid].remove(job.req.request_id)
+            self.queued_tokens[iid] -= self.policy.work_tokens(job.view)
+            self.queued_count -= 1
+            job.queue_id = None
+            self._lpq[iid].append(job)
+            self.demoted += 1
+
+    def _feed_saber(self, inst: SimInstance, queue: VirtualQueue, want: int) -> None:
+        """SABER's Algorithm 1 at this instance: demote what cannot make it; while the
+        high-priority queue (the virtual queue) holds requests, admit one sampled at random
+        from its first ``saber_window`` whose required speed f(L + 1) meets, as long as
+        f(L + 1) also stays at or above every running request's frozen required speed, and
+        sample again; only when it is empty, hand low-priority requests to the engine without
+        a check. Each admission is one of SABER's control-loop ticks (δ -> 0)."""
+        self._demote_due()
+        now = self.now
+        iid = inst.instance_id
+        load = len(inst.running) + len(inst.waiting)  # every request in the engine, LPQ too
+        floor = inst.speed_floor()
+        batch: list[SimJob] = []
+        if len(queue):
+            taken: set[str] = set()
+            while len(batch) < want:
+                window = [r for r in queue.head(self.config.saber_window + len(taken))]
+                window = [r for r in window if r not in taken][: self.config.saber_window]
+                self._rng.shuffle(window)
+                admitted = None
+                for rid in window:
+                    job = self.jobs[rid]
+                    need = required_speed(job.view.max_tokens, job.view.deadline, now)
+                    gate = SLOAdmissionGate(self._speed(iid, job.req.model))
+                    if gate.admits_in_time(load, need, floor):
+                        admitted = job
+                        job.req_speed = need  # frozen: later checks use this value
+                        floor = max(floor, need)
+                        load += 1
+                        break
+                if admitted is None:
+                    break
+                taken.add(admitted.req.request_id)
+                batch.append(admitted)
+            self._take(inst, queue, batch)
+            return
+        lpq = self._lpq[iid]
+        while lpq and len(batch) < want:
+            job = lpq.popleft()
+            job.req_speed = 0.0  # best effort: no speed of its own to protect
+            batch.append(job)
+        if batch:
+            inst.enqueue(batch, now)
 
     def _step_done(self, inst: SimInstance) -> None:
         inst.on_event(self.now)
@@ -578,4 +661,5 @@ class ClusterSimulator:
             planner_wall_s=self.planner_wall_s,
             wall_s=wall,
             events=self.events,
+            demoted=self.demoted,
         )

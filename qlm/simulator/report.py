@@ -315,6 +315,48 @@ def markdown_table(summary: Mapping[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def speed_model_rows(summary: Mapping[str, Any]) -> list[list[str]]:
+    """SABER columns: the USL fit of f(L) each used (column, point, instance, model, how it
+    was profiled, lam, sigma, kappa, R², points), from ``summary["speed_models"]``."""
+    rows: list[list[str]] = []
+    models = summary.get("speed_models")
+    if not isinstance(models, Mapping):
+        return rows
+    for column, per_point in models.items():
+        for point, per_instance in per_point.items():
+            for iid, per_model in per_instance.items():
+                for model, fit in per_model.items():
+                    rows.append(
+                        [
+                            str(column),
+                            str(point),
+                            str(iid),
+                            str(model),
+                            str(fit.get("method", "")),
+                            _fixed(1)(fit.get("lam")),
+                            _fixed(4)(fit.get("sigma")),
+                            _general(fit.get("kappa")),
+                            _fixed(3)(fit.get("r_squared")),
+                            _count(fit.get("points")),
+                        ]
+                    )
+    return rows
+
+
+SPEED_MODEL_HEADERS = [
+    "column",
+    "point",
+    "instance",
+    "model",
+    "profiled by",
+    "λ (tok/s)",
+    "σ",
+    "κ",
+    "R²",
+    "points",
+]
+
+
 def render_console_table(summary: Mapping[str, Any]) -> str:
     """A compact plain-text table for the terminal (no colour codes), then the misses."""
     from rich import box
@@ -337,6 +379,13 @@ def render_console_table(summary: Mapping[str, Any]) -> str:
     console = Console(file=buffer, width=max(80, sum(widths) + 3 * len(widths) + 4), no_color=True)
     console.print(rich_table)
     lines = [line.rstrip() for line in buffer.getvalue().splitlines()]
+    fits = speed_model_rows(summary)
+    if fits:
+        lines += ["SABER f(L) = lam / (1 + sigma (L-1) + kappa L (L-1)), USL fits:"]
+        lines += [
+            "  " + " ".join(f"{h}={c}" for h, c in zip(SPEED_MODEL_HEADERS, r, strict=True))
+            for r in fits
+        ]
     misses = _misses(summary)
     if misses:
         lines += ["misses:", *(f"  - {m}" for m in misses)]
@@ -365,6 +414,19 @@ def results_markdown(summary: Mapping[str, Any], plots: Sequence[str] = ()) -> s
     if isinstance(run, Mapping):
         lines.append("- run: " + ", ".join(f"{k} = {v}" for k, v in run.items()))
     lines += ["", markdown_table(summary).rstrip("\n")]
+    fits = speed_model_rows(summary)
+    if fits:
+        lines += [
+            "",
+            "## SABER's speed model",
+            "",
+            "f(L) = λ / (1 + σ (L − 1) + κ L (L − 1)), fitted (USL) to a profiling of the "
+            "simulated engine before each run; R² on the profiled points.",
+            "",
+            "| " + " | ".join(SPEED_MODEL_HEADERS) + " |",
+            "| " + " | ".join(["---"] * 5 + ["---:"] * 5) + " |",
+            *("| " + " | ".join(_md_cell(c) for c in r) + " |" for r in fits),
+        ]
     if plots:
         lines += ["", "## Plots", "", *(f"![{Path(p).stem}]({p})" for p in plots)]
     return "\n".join(lines) + "\n"

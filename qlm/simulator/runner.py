@@ -15,8 +15,16 @@ import numpy as np
 import structlog
 
 from qlm.policy import QueuePolicy
-from qlm.simulator.cluster import ClusterSimulator, InstanceSpec, LSOSwitches, SimConfig, SimResult
-from qlm.simulator.scenario import ScenarioSpec, load_profile
+from qlm.simulator.cluster import (
+    ClusterSimulator,
+    InstanceSpec,
+    LSOSwitches,
+    SimConfig,
+    SimResult,
+    instance_profiles,
+)
+from qlm.simulator.saber import SpeedFit, fit_decode_speed, fit_engine_speed, workload_lengths
+from qlm.simulator.scenario import ScenarioSpec, VariantSpec, load_profile
 from qlm.simulator.workload import SimRequest, build_requests
 
 log = structlog.get_logger(__name__)
@@ -43,6 +51,7 @@ SUMMARY_METRICS = (
     "planner_wall_s",
     "sim_wall_s",
 )
+OPTIONAL_METRICS = ("demoted",)  # only some columns have them (SABER's gate)
 
 
 @dataclass(frozen=True)
@@ -57,6 +66,44 @@ class PolicyVariant:
     max_num_seqs: int | None = None
     slo_pull: bool | None = None
     pull_gate: str | None = None  # "qlm" | "saber" (see SimConfig.pull_gate)
+    # "saber": how f(L) is profiled, "decode" (qlm profile's sweep) or "e2e" (SABER's paper)
+    speed_profile: str = "decode"
+
+    @property
+    def engine_settings(self) -> bool:
+        return any(x is not None for x in (self.max_num_seqs, self.slo_pull, self.pull_gate))
+
+    @classmethod
+    def from_spec(cls, spec: VariantSpec) -> PolicyVariant:
+        slo_pull = None if spec.admission is None else spec.admission != "none"
+        gate = spec.admission if spec.admission in ("saber", "qlm") else None
+        return cls(
+            spec.name,
+            spec.policy,
+            dict(spec.overrides),
+            spec.max_num_seqs,
+            slo_pull,
+            gate,
+            spec.speed_profile,
+        )
+
+
+def expand_variants(spec: ScenarioSpec, variants: Sequence[PolicyVariant]) -> list[PolicyVariant]:
+    """A plain column (a policy, no engine settings) of a policy the scenario gives
+    ``variants`` for becomes those variants, its overrides under theirs; anything else stays."""
+    by_policy: dict[str, list[VariantSpec]] = {}
+    for v in spec.variants or []:
+        by_policy.setdefault(v.policy, []).append(v)
+    out: list[PolicyVariant] = []
+    for variant in variants:
+        specs = by_policy.get(variant.policy)
+        if variant.engine_settings or not specs:
+            out.append(variant)
+            continue
+        for vs in specs:
+            column = PolicyVariant.from_spec(vs)
+            out.append(replace(column, overrides={**variant.overrides, **column.overrides}))
+    return out
 
 
 def engine_model_name(spec: ScenarioSpec, name: str) -> str:
@@ -89,6 +136,7 @@ def instance_specs(spec: ScenarioSpec) -> list[InstanceSpec]:
                     tp=pool.tp,
                     cpu_memory_bytes=pool.cpu_memory_gb * 1e9,
                     profiles=tuple(load_profile(p) for p in pool.profiles),
+                    max_num_seqs=pool.max_num_seqs,
                 )
             )
     return out
@@ -131,8 +179,48 @@ def simulate(
     instances = instance_specs(spec)
     if variant.max_num_seqs is not None:
         instances = [replace(i, max_num_seqs=variant.max_num_seqs) for i in instances]
+    fits: dict[str, dict[str, SpeedFit]] = {}
+    if config.lso.slo_pull and config.pull_gate == "saber":
+        fits = saber_speed_fits(instances, reqs, spec.seed, variant.speed_profile)
+        speed = {iid: {m: f.usl for m, f in per.items()} for iid, per in fits.items()}
+        config = replace(config, speed_models=speed)
     sim = ClusterSimulator(instances, policy, reqs, config, progress=progress)
-    return sim.run()
+    result = sim.run()
+    result.speed_fits = {iid: {m: f.to_dict() for m, f in per.items()} for iid, per in fits.items()}
+    return result
+
+
+_FIT_CACHE: dict[tuple[Any, ...], SpeedFit] = {}
+
+
+def saber_speed_fits(
+    instances: Sequence[InstanceSpec],
+    requests: Sequence[SimRequest],
+    seed: int = 0,
+    method: str = "decode",
+) -> dict[str, dict[str, SpeedFit]]:
+    """SABER's offline phase for every instance and model it serves: a USL fit of f(L) on a
+    profiling sweep of the simulated engine (its cap as configured) with the workload's lengths.
+    Cached per (GPU, model, profile, lengths): identical instances are profiled once."""
+    if method not in ("decode", "e2e"):
+        raise ValueError(f"speed profile must be 'decode' or 'e2e', not {method!r}")
+    out: dict[str, dict[str, SpeedFit]] = {}
+    for inst in instances:
+        per: dict[str, SpeedFit] = {}
+        profiles = instance_profiles(inst)
+        for model in inst.models:
+            if not any(r.model == model for r in requests):
+                continue  # nothing to profile with, and nothing the gate will be asked about
+            profile = profiles[model]
+            lengths = workload_lengths(requests, model, seed)
+            key = (method, inst.gpu_type, model, profile, tuple(lengths))
+            fit = _FIT_CACHE.get(key)
+            if fit is None:
+                fitter = fit_engine_speed if method == "e2e" else fit_decode_speed
+                fit = _FIT_CACHE[key] = fitter(profile, inst.gpu_type, model, lengths)
+            per[model] = fit
+        out[inst.instance_id] = per
+    return out
 
 
 def run_scenario(
@@ -152,6 +240,7 @@ def run_scenario(
     scenario (e.g. the grouping's δ): every point runs on the same requests."""
     if variants is None:
         variants = [PolicyVariant(p, p) for p in spec.policies]
+    variants = expand_variants(spec, variants)
     summary: dict[str, Any] = {
         "scenario": spec.name,
         "description": spec.description,
@@ -172,8 +261,9 @@ def run_scenario(
             "variants": [str(p) for p, _ in points],
         }
         for point, variant in points:
-            _, metrics = _one(spec, variant, factory, reqs, record_estimates, progress, point)
+            result, metrics = _one(spec, variant, factory, reqs, record_estimates, progress, point)
             _append(summary, variant.policy, metrics, sweep=True)
+            _record_fits(summary, variant.policy, point, result)
         return summary
     points_spec = spec.sweep_points()
     swept = spec.sweep is not None
@@ -193,6 +283,7 @@ def run_scenario(
                 pspec, variant, factory, workloads[k], record_estimates, progress, point
             )
             _append(summary, variant.label, metrics, sweep=swept)
+            _record_fits(summary, variant.label, point, result)
             if record_estimates:
                 for o in result.outcomes:
                     if o.estimated_finish_s is not None and o.finished_s is not None:
@@ -230,6 +321,8 @@ def _one(
         spec, variant, factory, reqs, record_estimates=record_estimates, progress=report
     )
     metrics = result.metrics()
+    if result.speed_fits:  # a SABER run: how many requests its gate demoted
+        metrics["demoted"] = result.demoted
     log.info(
         "sim_run_done",
         scenario=spec.name,
@@ -243,9 +336,17 @@ def _one(
     return result, metrics
 
 
+def _record_fits(summary: dict[str, Any], label: str, point: str, result: SimResult) -> None:
+    """SABER runs: the USL fit of f(L) the gate used, per column, sweep point, instance, model
+    (``summary["speed_models"][column][point][instance][model]``)."""
+    if result.speed_fits:
+        per_point = summary.setdefault("speed_models", {}).setdefault(label, {})
+        per_point[point] = result.speed_fits
+
+
 def _append(summary: dict[str, Any], label: str, metrics: dict[str, Any], *, sweep: bool) -> None:
     entry = summary["policies"].setdefault(label, {})
-    for key in SUMMARY_METRICS:
+    for key in (*SUMMARY_METRICS, *(k for k in OPTIONAL_METRICS if k in metrics)):
         if sweep:
             entry.setdefault(key, []).append(metrics[key])
         else:

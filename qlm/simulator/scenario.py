@@ -84,6 +84,9 @@ class PoolSpec(_Strict):
     # Measured engine profiles (JSON written by engine_model.profile_to_dict, e.g. by
     # `qlm profile`): each replaces the roofline profile of its model on this pool's GPUs.
     profiles: list[str] = Field(default_factory=list)
+    # the engine's cap on running requests (vLLM --max-num-seqs); None: the engine model's
+    # default for the GPU (256 on an A100)
+    max_num_seqs: int | None = Field(default=None, ge=1)
 
     @model_validator(mode="after")
     def _profiles_match(self) -> Self:
@@ -216,6 +219,26 @@ class SimOptions(_Strict):
     lso_policies: list[str] = Field(default_factory=lambda: ["qlm"])
 
 
+class VariantSpec(_Strict):
+    """One column of a run: a policy of the scenario with its own engine-side settings, e.g.
+    ``{name: mns=8, policy: fcfs, max_num_seqs: 8}`` or ``{name: saber, policy: fcfs,
+    admission: saber}``. A policy with variants runs as those columns instead of once."""
+
+    name: str = Field(min_length=1)
+    policy: str = Field(min_length=1)
+    # every instance's engine cap for this column (overrides pools.*.max_num_seqs)
+    max_num_seqs: int | None = Field(default=None, ge=1)
+    # the agents' admission in front of the engine: "none" (pull while the engine has room),
+    # "saber" (SABER's Algorithm 1 with a USL f(L) profiled on the simulated engine), "qlm"
+    # (qlm's SLO-aware pull); unset: what options.lso says for the policy
+    admission: Literal["none", "saber", "qlm"] | None = None
+    # saber: how its f(L) is profiled on the simulated engine before the run: "decode" (qlm
+    # profile's concurrency sweep of decode speed) or "e2e" (SABER's paper: each request's
+    # tokens / execution time under open-loop load at several rates)
+    speed_profile: Literal["decode", "e2e"] = "decode"
+    overrides: dict[str, Any] = Field(default_factory=dict)  # policy constructor arguments
+
+
 class SweepSpec(_Strict):
     # Dotted path into the scenario, list indices as numbers: "streams.1.arrival.rate_rps".
     parameter: str = Field(min_length=1)
@@ -259,6 +282,8 @@ class ScenarioSpec(_Strict):
     policies: list[str] = Field(default_factory=lambda: ["qlm", "edf", "fcfs", "shepherd"])
     options: SimOptions = Field(default_factory=SimOptions)
     sweep: SweepSpec | None = None
+    # engine-setting columns of the policies above (see VariantSpec); default: one per policy
+    variants: list[VariantSpec] | None = None
 
     def __init__(self, **data: Any) -> None:
         try:
@@ -330,6 +355,7 @@ class ScenarioSpec(_Strict):
         self._check_aliases()
         self._check_pools()
         self._check_streams()
+        self._check_variants()
         if self.sweep is not None:
             self._check_sweep(self.sweep)
         return self
@@ -396,6 +422,25 @@ class ScenarioSpec(_Strict):
                 raise _field_error(
                     f"streams.{i}.start_s",
                     f"{stream.start_s} is not before duration_s ({self.duration_s})",
+                )
+
+    def _check_variants(self) -> None:
+        seen: set[str] = set()
+        for i, variant in enumerate(self.variants or []):
+            if variant.policy not in self.policies:
+                raise _field_error(
+                    f"variants.{i}.policy",
+                    f"{variant.policy!r} is not one of the scenario's policies {self.policies}",
+                )
+            if variant.name in seen:
+                raise _field_error(f"variants.{i}.name", f"duplicate variant {variant.name!r}")
+            seen.add(variant.name)
+        with_variants = {v.policy for v in self.variants or []}
+        for i, variant in enumerate(self.variants or []):
+            if variant.name in self.policies and variant.name not in with_variants:
+                raise _field_error(
+                    f"variants.{i}.name",
+                    f"{variant.name!r} is also a policy run as its own column; rename it",
                 )
 
     def _check_sweep(self, sweep: SweepSpec) -> None:
