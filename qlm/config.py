@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Annotated
+
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -32,7 +34,9 @@ class Settings(BaseSettings):
     # that a new request gets an `overloaded` error reply. None: no limit.
     max_queued: int | None = Field(default=None, ge=1)
     max_queued_per_tenant: int | None = Field(default=None, ge=1)
-    tenant_limits: dict[str, int] = Field(default_factory=dict)  # JSON: per-tenant overrides
+    # JSON object, tenant -> its own limit, overriding QLM_MAX_QUEUED_PER_TENANT; 0 refuses
+    # every request of that tenant
+    tenant_limits: dict[str, Annotated[int, Field(ge=0)]] = Field(default_factory=dict)
     models_file: str | None = None
     log_level: str = "info"
     log_format: str = Field(default="json", pattern="^(json|console)$")

@@ -163,6 +163,31 @@ class AdmissionLimits:
 
 
 @dataclass(frozen=True)
+class Shed:
+    """Why a new request was refused as ``overloaded``: the limit it hit and the depth then."""
+
+    limit: str  # "global" | "tenant"
+    tenant: str  # the request's tenant ("" when it names none)
+    queued: int  # requests tracked (queued or running) under that limit when it arrived
+    max_queued: int
+
+    def message(self) -> str:
+        if self.limit == "global":
+            held = f"{self.queued} requests queued or running"
+        else:
+            held = f"tenant {self.tenant!r} has {self.queued} requests queued or running"
+        return f"overloaded: {held} (limit {self.max_queued}); retry later"
+
+    def details(self) -> dict[str, Any]:
+        return {
+            "limit": self.limit,
+            "tenant": self.tenant,
+            "queued": self.queued,
+            "max_queued": self.max_queued,
+        }
+
+
+@dataclass(frozen=True)
 class LSOSettings:
     """Which of the plan's LSO decisions the live coordinator carries out."""
 
@@ -184,8 +209,8 @@ class CoordinatorCore:
         self.lso = lso or LSOSettings()
         self.limits = limits or AdmissionLimits()
         self.tenant_counts: dict[str, int] = {}
-        # the last "overloaded" admit: which limit ("global" | "tenant") and why, in words
-        self.last_shed: tuple[str, str] = ("", "")
+        # the last "overloaded" admit: which limit refused it, and the depth then
+        self.last_shed: Shed | None = None
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.clock = clock
         self.requests: dict[str, TrackedRequest] = {}
@@ -207,12 +232,15 @@ class CoordinatorCore:
         correlation_id: str | None,
         received_at: float,
         redelivered: bool = False,
+        result_held: bool = False,
     ) -> tuple[TrackedRequest | None, str]:
         """Track a validated request. Returns (tracked, outcome) where outcome is "new",
         "redelivered" (a broker redelivery of a tracked request: its old handle died with its
         channel, so the handle is swapped), "duplicate" (the same id published again while
-        tracked: it rides along with the first and is answered with it) or "answered" (already
-        replied: the caller acks the delivery and sends nothing)."""
+        tracked: it rides along with the first and is answered with it), "answered" (already
+        replied: the caller acks the delivery and sends nothing) or "overloaded" (a new
+        request beyond the admission limits: not tracked; ``last_shed`` says why).
+        ``result_held``: the caller already holds a result for it (a takeover)."""
         rid = request.request_id
         if rid in self.answered:
             return None, "answered"
@@ -224,7 +252,13 @@ class CoordinatorCore:
             existing.duplicates.append((delivery, reply_to, correlation_id))
             return existing, "duplicate"
         tenant = request.tenant or ""
+        # After a takeover, a redelivery of work an engine is running or has finished is not
+        # new load: its capacity is already spent, and refusing it would throw that work
+        # away. It is admitted even beyond the limits (and counts toward them).
         shed = self._shed_reason(tenant)
+        if shed is not None and redelivered and (result_held or self._reported_running(rid)):
+            log.info("admitted_beyond_limit", request_id=rid, limit=shed.limit, tenant=tenant)
+            shed = None
         if shed is not None:
             self.last_shed = shed
             return None, "overloaded"
@@ -258,20 +292,26 @@ class CoordinatorCore:
         self._place(tracked, received_at)
         return tracked, "new"
 
-    def _shed_reason(self, tenant: str) -> tuple[str, str] | None:
-        """Which limit refuses a new request of ``tenant`` now, and why; None: admit it."""
+    def _shed_reason(self, tenant: str) -> Shed | None:
+        """Which limit refuses a new request of ``tenant`` now; None: admit it. Every tracked
+        request counts, queued or running: each holds an unacked broker delivery and
+        coordinator memory until it is answered, and those are what the limits bound."""
         limits = self.limits
         if limits.max_queued is not None and len(self.requests) >= limits.max_queued:
-            held_all = len(self.requests)
-            return "global", f"{held_all} requests queued or running (limit {limits.max_queued})"
+            return Shed("global", tenant, len(self.requests), limits.max_queued)
         cap = limits.tenant_limit(tenant)
         held = self.tenant_counts.get(tenant, 0)
         if cap is not None and held >= cap:
-            return (
-                "tenant",
-                f"tenant {tenant!r} has {held} requests queued or running (limit {cap})",
-            )
+            return Shed("tenant", tenant, held, cap)
         return None
+
+    def _reported_running(self, request_id: str) -> bool:
+        """An agent's last heartbeat lists the request as running on its engine."""
+        return any(
+            inst.last_status is not None and request_id in inst.last_status.in_flight
+            for inst in self.instances.values()
+            if inst.status != "lost"
+        )
 
     def _live(self) -> list[InstanceState]:
         return [i for i in self.instances.values() if i.status == "alive"]
