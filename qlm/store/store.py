@@ -27,7 +27,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from qlm.store.migrations import migrate as upgrade_to_head
 from qlm.store.migrations import prepare_sqlite_path
-from qlm.store.models import INSTANCE_STATUSES, EngineProfile, RequestStatus
+from qlm.store.models import INSTANCE_STATUSES, EngineProfile, HardwareProfileRun, RequestStatus
 from qlm.store.writer import (
     EVENT,
     EVENTS,
@@ -44,6 +44,7 @@ from qlm.store.writer import (
 from qlm.types import RequestId
 
 PROFILES = cast(sa.Table, EngineProfile.__table__)
+HARDWARE_PROFILES = cast(sa.Table, HardwareProfileRun.__table__)
 _REQUEST_ID = TypeAdapter(RequestId)
 
 
@@ -433,6 +434,53 @@ class Store:
         if row is None:
             return None
         return {k: row[k] for k in ("gpu_type", "model", "source", "params", "measured_at")}
+
+    # ---------------------------------------------------------------- hardware profiles (direct)
+
+    async def save_hardware_profile(
+        self, gpu_type: str, model: str, engine: str, body: dict[str, Any]
+    ) -> int:
+        """Record one profiling run (kept beside earlier ones); written immediately. Returns
+        its id."""
+        stmt = (
+            sa.insert(HARDWARE_PROFILES)
+            .values(
+                gpu_type=gpu_type, model=model, engine=engine, created_at=time.time(), body=body
+            )
+            .returning(HARDWARE_PROFILES.c.id)
+        )
+        async with self._engine.begin() as conn:
+            return int((await conn.execute(stmt)).scalar_one())
+
+    async def get_hardware_profile(self, profile_id: int) -> dict[str, Any] | None:
+        query = sa.select(HARDWARE_PROFILES).where(HARDWARE_PROFILES.c.id == profile_id)
+        async with self._engine.connect() as conn:
+            row = (await conn.execute(query)).mappings().first()
+        return dict(row) if row is not None else None
+
+    async def list_hardware_profiles(
+        self,
+        gpu_type: str | None = None,
+        model: str | None = None,
+        engine: str | None = None,
+        limit: int | None = None,
+    ) -> list[dict[str, Any]]:
+        """Profiling runs, newest first, optionally of one GPU type, model and/or engine."""
+        t = HARDWARE_PROFILES
+        query = sa.select(t).order_by(t.c.created_at.desc(), t.c.id.desc())
+        for column, value in ((t.c.gpu_type, gpu_type), (t.c.model, model), (t.c.engine, engine)):
+            if value is not None:
+                query = query.where(column == value)
+        if limit is not None:
+            query = query.limit(limit)
+        async with self._engine.connect() as conn:
+            return [dict(r) for r in (await conn.execute(query)).mappings()]
+
+    async def latest_hardware_profile(
+        self, gpu_type: str, model: str, engine: str | None = None
+    ) -> dict[str, Any] | None:
+        runs = await self.list_hardware_profiles(gpu_type, model, engine, limit=1)
+        return runs[0] if runs else None
 
 
 def _valid_request_id(request_id: object) -> str | None:
