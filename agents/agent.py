@@ -23,6 +23,7 @@ from pydantic import ValidationError
 
 from agents.engine import EngineBackend, EngineOutput, EngineRequest
 from qlm.admission import SLOAdmissionGate, required_speed
+from qlm.amqp import connect
 from qlm.control import (
     Completion,
     Dispatch,
@@ -56,6 +57,7 @@ class HostedInstance:
     info: InstanceInfo
     engine: EngineBackend
     owed: int = 0  # credit granted to the coordinator and not yet used by a dispatch
+    received: int = 0  # dispatches received, ever (heartbeats report it)
     dispatches: dict[str, Dispatch] = field(default_factory=dict)  # request_id -> dispatch
     # With the SLO admission gate: dispatched requests held back until the gate admits them
     # (in dispatch order = the virtual queue's), those that can no longer meet their deadline
@@ -117,9 +119,7 @@ class Agent:
         self.admission_gate = admission_gate
 
     async def start(self) -> None:
-        self._conn = await aio_pika.connect_robust(
-            self.amqp_url, client_properties={"connection_name": f"qlm-{self.agent_id}"}
-        )
+        self._conn = await connect(self.amqp_url, name=f"qlm-{self.agent_id}")
         self._pub = await self._conn.channel(publisher_confirms=True)
         sub = await self._conn.channel()
         await sub.set_qos(prefetch_count=1000)
@@ -210,6 +210,7 @@ class Agent:
 
     def _start_dispatch(self, inst: HostedInstance, d: Dispatch) -> None:
         inst.owed = max(0, inst.owed - 1)
+        inst.received += 1
         req = d.request
         inst.dispatches[req.request_id] = d
         prompt_ids = req.prompt_token_ids
@@ -442,6 +443,7 @@ class Agent:
                     tokens_per_s=s.tokens_per_s,
                     in_flight=s.in_flight + inst.held_ids(),
                     credit_outstanding=inst.owed,
+                    dispatches_received=inst.received,
                     warm_models=s.warm_models,
                 )
             )

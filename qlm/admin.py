@@ -503,8 +503,16 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-async def serve_admin(app: FastAPI, host: str, port: int) -> AdminServer:
-    """Start serving ``app`` on ``host:port`` (0 = any free port) and return once listening.
+async def serve_admin(
+    app: FastAPI,
+    host: str,
+    port: int,
+    *,
+    tls_cert: str | None = None,
+    tls_key: str | None = None,
+) -> AdminServer:
+    """Start serving ``app`` on ``host:port`` (0 = any free port) and return once listening;
+    over HTTPS when ``tls_cert`` and ``tls_key`` (PEM files) are given.
 
     The socket is bound here, so a busy port raises ``OSError`` to the caller instead of
     uvicorn's ``sys.exit``. The bound port is ``AdminServer.port``.
@@ -518,6 +526,8 @@ async def serve_admin(app: FastAPI, host: str, port: int) -> AdminServer:
         lifespan="off",
         access_log=False,
         timeout_graceful_shutdown=5,
+        ssl_certfile=tls_cert,
+        ssl_keyfile=tls_key,
     )
     server = _EmbeddedServer(config)
     task = asyncio.create_task(server.serve(sockets=[sock]), name="qlm-admin-http")

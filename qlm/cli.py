@@ -33,7 +33,18 @@ app.add_typer(bench_app, name="bench")
 
 
 def _settings() -> Settings:
-    return Settings()
+    """The QLM_* settings, or a one-line error per bad variable and exit status 2."""
+    from pydantic import ValidationError
+
+    try:
+        return Settings()
+    except ValidationError as exc:
+        for err in exc.errors():
+            where = ".".join(str(p) for p in err["loc"])
+            name = f"QLM_{where.upper()}" if where else "settings"
+            msg = str(err["msg"]).removeprefix("Value error, ")
+            typer.echo(f"qlm: {name}: {msg}", err=True)
+        raise typer.Exit(2) from None
 
 
 def _setup_logging(s: Settings, component: str) -> None:
@@ -103,8 +114,15 @@ async def _run_coordinator(s: Settings, policy_name: str, shards: int, admin_por
         limits=AdmissionLimits(s.max_queued, s.max_queued_per_tenant, dict(s.tenant_limits)),
     )
     await coord.start()
-    api = create_admin_app(coord, token=s.admin_token.get_secret_value(), metrics=coord.metrics)
-    server = await serve_admin(api, s.admin_host, admin_port)
+    api = create_admin_app(
+        coord,
+        token=s.admin_token.get_secret_value(),
+        read_token=s.admin_read_token,
+        metrics=coord.metrics,
+    )
+    server = await serve_admin(
+        api, s.admin_host, admin_port, tls_cert=s.admin_tls_cert, tls_key=s.admin_tls_key
+    )
     try:
         await _wait_for_signal()
     finally:
@@ -703,7 +721,15 @@ def _admin_call(method: str, path: str) -> Any:
     s = _settings()
     base = os.environ.get("QLM_ADMIN_URL", f"http://{s.admin_host}:{s.admin_port}")
     token = s.admin_token.get_secret_value() if s.admin_token else ""
-    r = httpx.request(method, base + path, headers={"Authorization": f"Bearer {token}"}, timeout=30)
+    # QLM_ADMIN_CA: the CA that signed an HTTPS admin API's certificate (e.g. self-signed)
+    verify: str | bool = os.environ.get("QLM_ADMIN_CA") or True
+    r = httpx.request(
+        method,
+        base + path,
+        headers={"Authorization": f"Bearer {token}"},
+        timeout=30,
+        verify=verify,
+    )
     if r.status_code >= 400:
         typer.echo(f"error {r.status_code}: {r.text}", err=True)
         raise typer.Exit(1)
@@ -904,6 +930,72 @@ def bench_sim(
         )
     except ScenarioError as e:  # e.g. a malformed trace row, found when building requests
         raise typer.BadParameter(str(e)) from e
+
+
+@app.command()
+def chaos(
+    scenario: Annotated[
+        list[str] | None,
+        typer.Option("--scenario", "-s", help="run only this scenario (repeatable; see --list)"),
+    ] = None,
+    quick: Annotated[
+        bool, typer.Option(help="only the scenarios `make test` runs (not the long ones)")
+    ] = False,
+    requests: Annotated[int, typer.Option(min=1, help="requests per scenario")] = 1200,
+    leader_kill_requests: Annotated[
+        int, typer.Option(min=1, help="requests of the quorum-leader-kill scenario")
+    ] = 5000,
+    max_tokens: Annotated[int, typer.Option(min=1, help="output tokens per request")] = 300,
+    time_scale: Annotated[
+        float, typer.Option(min=0.01, help="sim agents' speed-up over the modelled GPU")
+    ] = 1.0,
+    json_out: Annotated[
+        Path | None, typer.Option("--json", help="write {scenarios: [...]} here")
+    ] = None,
+    workdir: Annotated[
+        Path | None, typer.Option(help="logs and private brokers (default .qlm/chaos)")
+    ] = None,
+    list_: Annotated[bool, typer.Option("--list", help="list the scenarios")] = False,
+) -> None:
+    """Inject faults into real processes (agents killed, hung, slowed or cut off; the
+    coordinator killed; the broker restarted; a 3-node cluster's quorum leader killed) and
+    print lost / duplicated replies and recovery times (docs/reliability.md). Exit status 1
+    when a scenario misses its target."""
+    from qlm.chaos import ChaosSettings, format_table, run_chaos, select, write_json
+    from qlm.localbroker import qlm_home
+
+    if list_:
+        from qlm.chaos import SCENARIOS
+
+        for sc in SCENARIOS.values():
+            typer.echo(f"{sc.name:20} {'long ' if sc.long else 'quick'}  {sc.about}")
+        return
+    try:
+        chosen = select(scenario, include_long=not quick)
+    except KeyError as e:
+        raise typer.BadParameter(str(e.args[0])) from e
+    if json_out is not None and not json_out.parent.exists():
+        raise typer.BadParameter(f"--json: folder {json_out.parent} does not exist")
+    s = _settings()
+    from qlm.logging import configure_logging
+
+    configure_logging(os.environ.get("QLM_LOG_LEVEL", "warning"), s.log_format, "chaos")
+    base = workdir or qlm_home() / "chaos"
+    base.mkdir(parents=True, exist_ok=True)
+    settings = ChaosSettings(
+        workdir=base,
+        requests=requests,
+        leader_kill_requests=leader_kill_requests,
+        max_tokens=max_tokens,
+        time_scale=time_scale,
+    )
+    amqp_url = os.environ.get("QLM_AMQP_URL")
+    results = asyncio.run(run_chaos(chosen, settings, amqp_url))
+    typer.echo(format_table(results))
+    if json_out is not None:
+        write_json(json_out, results, settings)
+    if not all(r.passed for r in results):
+        raise typer.Exit(1)
 
 
 def main() -> None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -35,8 +35,15 @@ from aio_pika.abc import (
 )
 from pydantic import Field, TypeAdapter, ValidationError
 
+from qlm import amqp as qlm_amqp
 from qlm.topology import INGRESS_EXCHANGE, declare_topology
-from qlm.types import CONTENT_TYPE, ErrorMessage, RequestMessage, ResultMessage
+from qlm.types import (
+    CONTENT_TYPE,
+    REPLY_ID_HEADER,
+    ErrorMessage,
+    RequestMessage,
+    ResultMessage,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -62,12 +69,15 @@ class QlmClient:
         *,
         reply_queue: str | None = None,
         app_id: str = "qlm-client",
+        republish_within_s: float = 60.0,
     ) -> None:
         """``reply_queue``: a durable queue to receive replies on (it survives this client;
         replies wait there across a restart). Default: a private exclusive, auto-delete queue
-        that lives as long as the connection."""
+        that lives as long as the connection. ``republish_within_s``: how long a publish that
+        lost its connection (or was nacked) keeps being retried after reconnects."""
         self.amqp_url = amqp_url
         self.app_id = app_id
+        self.republish_within_s = republish_within_s
         self._durable_replies = reply_queue is not None
         # A client-chosen name (not a server-named amq.gen-*): a robust reconnect re-declares the
         # same name, so replies for requests sent before the reconnect still find us.
@@ -81,6 +91,12 @@ class QlmClient:
         self.reply_counts: Counter[str] = Counter()
         #: correlation id → the second, third ... replies for it (the first resolved the future)
         self.duplicates: dict[str, list[Reply]] = {}
+        # broker redeliveries of a reply already recorded (same x-qlm-reply-id): the ack of
+        # the first delivery was lost with a connection; not a second answer
+        self.redelivered_replies = 0
+        self._reply_ids: dict[str, str] = {}
+        # ids given up with forget(): a late reply for one is acked and dropped quietly
+        self._forgotten: OrderedDict[str, None] = OrderedDict()
         #: replies whose correlation id this client never published
         self.unexpected: list[AbstractIncomingMessage] = []
         #: wall-clock receive time of each request's first reply
@@ -89,7 +105,7 @@ class QlmClient:
     # --- lifecycle ---------------------------------------------------------------------------
 
     async def connect(self) -> None:
-        self._connection = await aio_pika.connect_robust(self.amqp_url)
+        self._connection = await qlm_amqp.connect(self.amqp_url, name="qlm-client")
         # Unroutable publishes (no shard bound yet) raise instead of vanishing silently.
         self._channel = await self._connection.channel(
             publisher_confirms=True, on_return_raises=True
@@ -215,9 +231,17 @@ class QlmClient:
             headers=headers,
         )
         try:
-            await self._ingress.publish(message, routing_key=routing_key)
+            assert self._connection is not None
+            await qlm_amqp.publish_confirmed(
+                self._connection,
+                self._ingress,
+                message,
+                routing_key,
+                within_s=self.republish_within_s,
+            )
         except BaseException:
-            # Not confirmed: the caller decides whether to retry (which may then duplicate).
+            # Not confirmed: the caller decides whether to retry (a retry with the same id is
+            # safe: the coordinator runs and answers each request id once).
             if existing is None:
                 del self._pending[correlation_id]
                 fut.cancel()
@@ -233,7 +257,23 @@ class QlmClient:
             # Recorded in memory either way; a reply we cannot use must not come back forever.
             await message.ack()
 
+    def forget(self, correlation_id: str, *, remember: int = 100_000) -> None:
+        """Stop tracking a request (its caller gave up: answered, timed out, went away), so a
+        long-lived client's books stay bounded. A reply that still comes for it is dropped; the
+        last ``remember`` forgotten ids are kept to recognise such replies."""
+        fut = self._pending.pop(correlation_id, None)
+        if fut is not None and not fut.done():
+            fut.cancel()
+        for book in (self.reply_counts, self.received_at, self.duplicates, self._reply_ids):
+            book.pop(correlation_id, None)
+        self._forgotten[correlation_id] = None
+        while len(self._forgotten) > remember:
+            self._forgotten.popitem(last=False)
+
     def _record(self, message: AbstractIncomingMessage) -> None:
+        if message.correlation_id in self._forgotten:
+            log.debug("reply_for_forgotten_request", correlation_id=message.correlation_id)
+            return
         try:
             reply: Reply | None = _reply_adapter.validate_json(message.body)
         except ValidationError as e:
@@ -243,6 +283,13 @@ class QlmClient:
             log.warning("reply_unexpected", correlation_id=cid)
             self.unexpected.append(message)
             return
+        reply_id = str((message.headers or {}).get(REPLY_ID_HEADER) or "")
+        if reply_id and self._reply_ids.get(cid) == reply_id:
+            self.redelivered_replies += 1
+            log.info("reply_redelivered", correlation_id=cid)
+            return
+        if reply_id:
+            self._reply_ids.setdefault(cid, reply_id)
         self.reply_counts[cid] += 1
         fut = self._pending[cid]
         if self.reply_counts[cid] > 1:

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+import ipaddress
+from typing import Annotated, Self
+from urllib.parse import unquote, urlsplit
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
 class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="QLM_", extra="ignore")
+    # hide_input_in_errors: a bad URL or token must not reach an error message or a log
+    model_config = SettingsConfigDict(env_prefix="QLM_", extra="ignore", hide_input_in_errors=True)
 
     amqp_url: str = Field(
         default="amqp://guest:guest@127.0.0.1:5672/",
@@ -17,6 +20,11 @@ class Settings(BaseSettings):
     )
     database_url: str = "sqlite+aiosqlite:///.qlm/qlm.db"
     admin_token: SecretStr | None = None
+    # optional second token that may only read (GET) the admin API
+    admin_read_token: SecretStr | None = None
+    # HTTPS for the admin API: a PEM certificate (chain) and its key, both or neither
+    admin_tls_cert: str | None = None
+    admin_tls_key: str | None = None
     admin_host: str = "127.0.0.1"
     admin_port: int = 8080
     shards: int = Field(default=2, ge=1, le=64, description="global queue shards")
@@ -40,3 +48,36 @@ class Settings(BaseSettings):
     models_file: str | None = None
     log_level: str = "info"
     log_format: str = Field(default="json", pattern="^(json|console)$")
+
+    @field_validator("amqp_url")
+    @classmethod
+    def _broker_urls(cls, value: str) -> str:
+        from qlm.amqp import split_urls
+
+        for url in split_urls(value):  # ValueError names the bad entry, password masked
+            parts = urlsplit(url)
+            # RabbitMQ's guest user only logs in over loopback: anywhere else it is either
+            # refused or, worse, enabled on purpose. Require real credentials off localhost.
+            if unquote(parts.username or "guest") == "guest" and not _is_loopback(
+                parts.hostname or ""
+            ):
+                raise ValueError(
+                    f"broker host {parts.hostname!r} is not local: QLM_AMQP_URL must name a "
+                    "user other than guest (guest is for local development only)"
+                )
+        return value
+
+    @model_validator(mode="after")
+    def _tls_pair(self) -> Self:
+        if (self.admin_tls_cert is None) != (self.admin_tls_key is None):
+            raise ValueError("QLM_ADMIN_TLS_CERT and QLM_ADMIN_TLS_KEY go together: set both")
+        return self
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

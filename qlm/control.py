@@ -60,6 +60,11 @@ class InstanceStatus(_Msg):
     # credit the agent granted and has not seen used: a coordinator that (re)registers the
     # instance starts from it, so no credit is stranded with a coordinator that died
     credit_outstanding: int = Field(default=0, ge=0)
+    # dispatches for this instance the agent has received since it started: with the
+    # coordinator's count of dispatches sent, it tells dispatches in transit from credit or
+    # dispatches lost with a queue (a broker node's death), so credit is reconciled at every
+    # heartbeat. None (an older agent): no reconciliation.
+    dispatches_received: int | None = Field(default=None, ge=0)
     # models whose weights are in host memory (a switch to them is a warm start); None: unknown
     warm_models: list[str] | None = None
 

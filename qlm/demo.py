@@ -174,7 +174,8 @@ class LocalCluster:
 
     def start_agent(self, spec: dict[str, Any]) -> None:
         """``spec``: agent_id, models, and optionally backend ("sim" | "vllm"), gpu_type,
-        gpus, time_scale (sim), model_paths {name: dir} (vllm), extra_args (more CLI flags)."""
+        gpus, time_scale (sim), model_paths {name: dir} (vllm), extra_args (more CLI flags), env
+        (environment variables of its own, e.g. another QLM_AMQP_URL)."""
         aid = spec["agent_id"]
         args = [
             "agent",
@@ -194,7 +195,7 @@ class LocalCluster:
         for name, path in spec.get("model_paths", {}).items():
             args += ["--model-path", f"{name}={path}"]
         args += list(spec.get("extra_args", []))
-        self.agents[aid] = self._spawn(aid, args)
+        self.agents[aid] = self._spawn(aid, args, spec.get("env"))
 
     async def start(self, timeout: float = 60.0) -> None:
         self.coordinator = self._spawn("coordinator", ["coordinator"])

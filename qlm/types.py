@@ -15,6 +15,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 PROTOCOL_VERSION = 1
 CONTENT_TYPE = "application/json"
+# AMQP header of every reply: unique per reply published (see docs/protocol.md, "The reply")
+REPLY_ID_HEADER = "x-qlm-reply-id"
 
 RequestId = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:@/+=-]+$")]
 

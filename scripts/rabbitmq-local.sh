@@ -3,9 +3,11 @@
 #
 #   scripts/rabbitmq-local.sh up        start (idempotent); prints amqp://guest:guest@127.0.0.1:PORT/
 #   scripts/rabbitmq-local.sh down      stop cleanly (rabbitmqctl shutdown)
+#   scripts/rabbitmq-local.sh kill      SIGKILL the node (chaos tests); `up` restarts it on its ports
 #   scripts/rabbitmq-local.sh status    exit 0 when the node is running and accepts AMQP
 #   scripts/rabbitmq-local.sh url       print the AMQP URL of the running node
 #   scripts/rabbitmq-local.sh management-url   print http://127.0.0.1:PORT/ of the management API
+#   scripts/rabbitmq-local.sh tls-url   print amqps://guest:guest@localhost:PORT/ (see QLM_RABBITMQ_TLS_DIR)
 #   scripts/rabbitmq-local.sh nodename  print the Erlang node name of this state dir
 #   scripts/rabbitmq-local.sh clean     stop and delete all state (queues and messages too)
 #   scripts/rabbitmq-local.sh ctl ARGS  rabbitmqctl against this node (also: diag, queues)
@@ -14,6 +16,9 @@
 # generated config and a private HOME holding the Erlang cookie. Ports are free ports picked
 # at `up` time and the node name is derived from the state dir, so two checkouts on one
 # machine never clash. Logs go to stderr; only URLs go to stdout.
+#
+# QLM_RABBITMQ_TLS_DIR=DIR (at `up`): also listen for AMQP over TLS (amqps) on a fourth private
+# port, with DIR/cert.pem, DIR/key.pem and DIR/ca.pem (e.g. a self-signed test CA).
 set -euo pipefail
 
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -130,11 +135,11 @@ node_pid_alive() { node_pid >/dev/null; }
 is_running() { node_pid_alive && read_ports && tcp_open "$AMQP_PORT"; }
 
 free_ports() {
-	# Bind all three at once so they are distinct; the kernel picks unused ephemeral ports.
+	# Bind all four at once so they are distinct; the kernel picks unused ephemeral ports.
 	python3 - <<'EOF'
 import socket
 socks = []
-for _ in range(3):
+for _ in range(4):
     s = socket.socket()
     s.bind(("127.0.0.1", 0))
     socks.append(s)
@@ -142,11 +147,33 @@ print(" ".join(str(s.getsockname()[1]) for s in socks))
 EOF
 }
 
+# Ports of the previous run when all three are still free (a restarted node keeps its URL, so
+# clients reconnect to it); otherwise new free ports.
+pick_ports() {
+	if [[ ${1:-1} -eq 1 ]] && read_ports 2>/dev/null &&
+		[[ -n ${TLS_PORT:-} ]] && ! tcp_open "$AMQP_PORT" && ! tcp_open "$MGMT_PORT" &&
+		! tcp_open "$DIST_PORT" && ! tcp_open "$TLS_PORT"; then
+		printf '%s %s %s %s\n' "$AMQP_PORT" "$MGMT_PORT" "$DIST_PORT" "$TLS_PORT"
+		return 0
+	fi
+	free_ports
+}
+
 write_config() {
-	local amqp mgmt dist
-	read -r amqp mgmt dist < <(free_ports)
+	local amqp mgmt dist tls tls_dir="${QLM_RABBITMQ_TLS_DIR:-}"
+	read -r amqp mgmt dist tls < <(pick_ports "${1:-1}")
 	mkdir -p "$STATE"/{home,mnesia,log,conf.d}
-	printf 'AMQP_PORT=%s\nMGMT_PORT=%s\nDIST_PORT=%s\n' "$amqp" "$mgmt" "$dist" >"$STATE/ports"
+	printf 'AMQP_PORT=%s\nMGMT_PORT=%s\nDIST_PORT=%s\nTLS_PORT=%s\n' "$amqp" "$mgmt" "$dist" "$tls" \
+		>"$STATE/ports"
+	rm -f "$STATE/tls"
+	if [[ -n $tls_dir ]]; then
+		tls_dir="$(realpath "$tls_dir")"
+		local f
+		for f in cert.pem key.pem ca.pem; do
+			[[ -r $tls_dir/$f ]] || die "QLM_RABBITMQ_TLS_DIR: $tls_dir/$f is missing"
+		done
+		touch "$STATE/tls"
+	fi
 	if [[ ! -s $STATE/home/.erlang.cookie ]]; then
 		(
 			umask 077
@@ -163,6 +190,14 @@ write_config() {
 		printf 'management.tcp.port = %s\n' "$mgmt"
 		printf 'log.file.level = info\n'
 		printf 'log.console = false\n'
+		if [[ -n $tls_dir ]]; then
+			printf 'listeners.ssl.default = 127.0.0.1:%s\n' "$tls"
+			printf 'ssl_options.cacertfile = %s/ca.pem\n' "$tls_dir"
+			printf 'ssl_options.certfile = %s/cert.pem\n' "$tls_dir"
+			printf 'ssl_options.keyfile = %s/key.pem\n' "$tls_dir"
+			printf 'ssl_options.verify = verify_none\n'
+			printf 'ssl_options.fail_if_no_peer_cert = false\n'
+		fi
 	} >"$STATE/rabbitmq.conf"
 	cp "$REPO_ROOT/docker/enabled_plugins" "$STATE/enabled_plugins"
 }
@@ -190,8 +225,18 @@ wait_ready() {
 	done
 }
 
+tls_url() { printf 'amqps://guest:guest@localhost:%s/\n' "$TLS_PORT"; }
+
 publish_urls() {
 	amqp_url >"$STATE/url"
+	if [[ -f $STATE/tls ]]; then
+		local deadline=$((SECONDS + 15))
+		until tcp_open "$TLS_PORT"; do
+			((SECONDS < deadline)) || die "the TLS listener on $TLS_PORT did not open (see $STATE/log)"
+			sleep 0.1
+		done
+		tls_url >"$STATE/tls_url"
+	fi
 	printf 'http://127.0.0.1:%s/\n' "$MGMT_PORT" >"$STATE/management_url"
 }
 
@@ -217,7 +262,7 @@ cmd_up() {
 	fi
 	local t0=$SECONDS attempt launcher
 	for attempt in 1 2 3; do
-		write_config
+		write_config "$attempt"
 		node_env
 		log "starting node $NODE (AMQP $AMQP_PORT, management $MGMT_PORT, dist $DIST_PORT) in $STATE"
 		# Not -detached: keeping stdout shows boot errors that happen before logging starts.
@@ -271,9 +316,20 @@ cmd_down() {
 			kill -KILL "$pid" 2>/dev/null || true
 		fi
 	fi
-	rm -f "$STATE/url" "$STATE/management_url" "$STATE/rabbitmq.pid"
+	rm -f "$STATE/url" "$STATE/tls_url" "$STATE/management_url" "$STATE/rabbitmq.pid"
 	command -v epmd >/dev/null && maybe_kill_epmd
 	return 0
+}
+
+# Chaos testing: the node dies at once (SIGKILL), as in a crash or a pulled cable; `up` starts
+# it again on the same ports with the same state.
+cmd_kill() {
+	local pid
+	pid="$(node_pid)" || die "not running"
+	log "killing node $NODE (pid $pid) with SIGKILL"
+	kill -KILL "$pid"
+	while kill -0 "$pid" 2>/dev/null; do sleep 0.05; done
+	rm -f "$STATE/url" "$STATE/tls_url" "$STATE/management_url" "$STATE/rabbitmq.pid"
 }
 
 cmd_status() {
@@ -288,6 +344,12 @@ cmd_status() {
 cmd_url() {
 	is_running || die "not running; start it with: $0 up"
 	amqp_url
+}
+
+cmd_tls_url() {
+	is_running || die "not running; start it with: $0 up"
+	[[ -f $STATE/tls ]] || die "started without QLM_RABBITMQ_TLS_DIR: no TLS listener"
+	tls_url
 }
 
 cmd_management_url() {
@@ -306,16 +368,18 @@ run_cli() {
 case "${1:-}" in
 up) cmd_up ;;
 down) cmd_down ;;
+kill) cmd_kill ;;
 status) cmd_status ;;
 url) cmd_url ;;
 management-url) cmd_management_url ;;
+tls-url) cmd_tls_url ;;
 nodename) printf '%s\n' "$NODE" ;;
 clean) cmd_down && rm -rf "$STATE" ;;
 ctl) shift && run_cli rabbitmqctl "$@" ;;
 diag) shift && run_cli rabbitmq-diagnostics "$@" ;;
 queues) shift && run_cli rabbitmq-queues "$@" ;;
 *)
-	echo "usage: $0 up|down|status|url|management-url|nodename|clean|ctl ARGS|diag ARGS|queues ARGS" >&2
+	echo "usage: $0 up|down|kill|status|url|tls-url|management-url|nodename|clean|ctl ARGS|diag ARGS|queues ARGS" >&2
 	exit 2
 	;;
 esac

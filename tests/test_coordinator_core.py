@@ -147,6 +147,56 @@ def test_credit_from_heartbeat_survives_a_coordinator_restart() -> None:
     assert len(core.next_dispatches(0.0)) == 3
 
 
+def _hb(owed: int, received: int | None):  # type: ignore[no-untyped-def]
+    hb = heartbeat("a")
+    hb.instances[0].credit_outstanding = owed
+    hb.instances[0].dispatches_received = received
+    return hb
+
+
+def test_credit_lost_with_a_broker_node_is_restored_from_the_next_heartbeat() -> None:
+    core = core_with({})
+    core.on_heartbeat(_hb(0, 0), now=0.0)
+    for _ in range(10):
+        admit(core)
+    core.on_pull("a-gpu0", 2)
+    assert len(core.next_dispatches(0.0)) == 2  # sent, not yet received by the agent
+    # The agent granted 4 more in a pull that died with a node; its heartbeat says it has 4
+    # outstanding (6 granted, 2 received)...
+    core.on_heartbeat(_hb(4, 2), now=0.5)
+    # ... so the coordinator holds 4 and dispatches them: no stall.
+    assert len(core.next_dispatches(0.5)) == 4
+
+
+def test_dispatches_in_transit_are_not_counted_as_credit_again() -> None:
+    core = core_with({})
+    core.on_heartbeat(_hb(0, 0), now=0.0)
+    for _ in range(10):
+        admit(core)
+    core.on_pull("a-gpu0", 3)
+    assert len(core.next_dispatches(0.0)) == 3
+    # The heartbeat was sent before any of the 3 dispatches arrived: 3 outstanding, 0
+    # received. All 3 are in transit, so nothing is owed to the agent.
+    core.on_heartbeat(_hb(3, 0), now=0.5)
+    assert core.next_dispatches(0.5) == []
+    # A dispatch that died with the agent's queue: the agent never gets it and keeps the
+    # credit outstanding; the coordinator lost the agent meanwhile (its queue was deleted)
+    # and re-registers it from the agent's count.
+    core.on_heartbeat(_hb(1, 2), now=1.0)  # 2 arrived, 1 never will
+    assert core.next_dispatches(1.0) == []  # still counted as in transit: not credit yet
+    core.lose_agent("a", "connection_closed", now=1.5)
+    core.on_heartbeat(_hb(1, 2), now=2.0)
+    assert len(core.next_dispatches(2.0)) == 1
+
+
+def test_an_older_agent_without_counts_is_not_reconciled() -> None:
+    core = core_with({})
+    core.on_heartbeat(_hb(0, None), now=0.0)
+    admit(core)
+    core.on_heartbeat(_hb(5, None), now=0.5)  # credit_outstanding alone is not trusted
+    assert core.next_dispatches(0.5) == []
+
+
 def test_duplicate_publish_rides_along_and_is_answered_once_per_producer() -> None:
     core = core_with({"a": 1})
     req = make_request()

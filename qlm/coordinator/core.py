@@ -94,6 +94,7 @@ class InstanceState:
     last_seen: float
     status: str = "alive"  # alive | draining | lost
     credit: int = 0
+    dispatches_sent: int = 0  # on the agent's count: starts from its dispatches_received
     queued_tokens: float = 0.0
     running: dict[str, str] = field(default_factory=dict)  # request_id -> dispatch_id
     last_status: InstanceStatus | None = None
@@ -354,10 +355,13 @@ class CoordinatorCore:
                     queue=VirtualQueue(iid),
                     last_seen=now,
                     credit=status.credit_outstanding,
+                    dispatches_sent=status.dispatches_received or 0,
                 )
                 self.instances[iid] = inst
                 new.append(iid)
                 log.info("instance_registered", instance_id=iid, agent_id=hb.agent_id)
+            elif inst.status == "alive":
+                self._reconcile_credit(inst, status)
             inst.info = status.info
             inst.last_seen = now
             inst.last_status = status
@@ -365,6 +369,33 @@ class CoordinatorCore:
         if new:
             self._place_unassigned(now)
         return new
+
+    def _reconcile_credit(self, inst: InstanceState, status: InstanceStatus) -> None:
+        """Credit is a delta protocol (pulls add, dispatches use), and a broker node that dies
+        can take pulls or dispatches with it: the agent then waits for dispatches that never
+        come while this coordinator waits for credit - a stall. The heartbeat carries the
+        agent's side: credit it granted and has not seen used, and dispatches it received.
+        Pulls travel the same channel and queue as heartbeats (in order), so none is in
+        transit when this heartbeat is handled; dispatches sent but not yet received are.
+        What this coordinator should hold is therefore the agent's outstanding credit less
+        those dispatches in transit."""
+        if status.dispatches_received is None:
+            return
+        in_transit = inst.dispatches_sent - status.dispatches_received
+        if in_transit < 0:  # the agent restarted and counts from 0 again
+            inst.dispatches_sent = status.dispatches_received
+            in_transit = 0
+        expected = max(0, status.credit_outstanding - in_transit)
+        if expected != inst.credit:
+            log.info(
+                "credit_reconciled",
+                instance_id=inst.instance_id,
+                held=inst.credit,
+                agent_outstanding=status.credit_outstanding,
+                in_transit=in_transit,
+                now_held=expected,
+            )
+            inst.credit = expected
 
     def _adopt(self, inst: InstanceState, in_flight: list[str]) -> None:
         """After a takeover: requests redelivered to this coordinator that an engine is already
@@ -409,6 +440,7 @@ class CoordinatorCore:
                 tracked = self.requests[rid]
                 inst.queued_tokens -= self.policy.work_tokens(tracked.plan_view)
                 inst.credit -= 1
+                inst.dispatches_sent += 1
                 tracked.state = TrackState.DISPATCHED
                 tracked.instance_id = inst.instance_id
                 tracked.dispatch_id = uuid.uuid4().hex

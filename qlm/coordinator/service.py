@@ -12,9 +12,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
-from urllib.parse import unquote, urlsplit
 
 import aio_pika
 import structlog
@@ -25,6 +25,7 @@ from aio_pika.abc import (
 )
 from pydantic import ValidationError
 
+from qlm import amqp as qlm_amqp
 from qlm.catalog import ModelCatalog
 from qlm.control import (
     Completion,
@@ -63,6 +64,7 @@ from qlm.topology import (
 )
 from qlm.types import (
     CONTENT_TYPE,
+    REPLY_ID_HEADER,
     ErrorCode,
     ErrorMessage,
     ResultMessage,
@@ -94,6 +96,11 @@ def slo_outcome(t: TrackedRequest, first_token_at: float | None, finished_at: fl
         ttft_met = ttft_ms is not None and ttft_ms <= slo.ttft_ms
     met = all(x for x in (e2e_met, ttft_met) if x is not None)
     return SLOOutcome(met=met, e2e_met=e2e_met, ttft_met=ttft_met, e2e_ms=e2e_ms, ttft_ms=ttft_ms)
+
+
+# How long a reply whose confirm was lost keeps being published again (after reconnects)
+# before the request goes back to a virtual queue to be run again.
+REPLY_REPUBLISH_S = 60.0
 
 
 class Coordinator:
@@ -129,6 +136,10 @@ class Coordinator:
         self._conn: AbstractRobustConnection | None = None
         self._events_conn: AbstractRobustConnection | None = None
         self._pub: AbstractChannel | None = None
+        # Strong references: a robust connection holds its channels only weakly, and restores
+        # after a reconnect only the channels still alive and the queues declared through them
+        # (so consumers go through declare_queue(passive=True), never get_queue(ensure=False)).
+        self._held: list[Any] = []
         self._topology: Topology | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._liveness: asyncio.Task[None] | None = None
@@ -147,23 +158,26 @@ class Coordinator:
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
-        self._conn = await aio_pika.connect_robust(
-            self.amqp_url, client_properties={"connection_name": "qlm-coordinator"}
-        )
+        self._conn = await qlm_amqp.connect(self.amqp_url, name="qlm-coordinator")
         self._pub = await self._conn.channel(publisher_confirms=True, on_return_raises=True)
+        # The setup channel re-declares the topology after a broker restart (a non-durable
+        # queue is gone then); the consumers' passive declarations wait for it.
         setup = await self._conn.channel()
         self._topology = await declare_topology(setup, self.shards, self.delivery_limit)
         ctl_ch = await self._conn.channel()
         await ctl_ch.set_qos(prefetch_count=2000)
+        self._held += [setup, ctl_ch]
         for q in (self._topology.coordinator, self._topology.live):
-            ctl_q = await ctl_ch.get_queue(q.name, ensure=False)
+            ctl_q = await ctl_ch.declare_queue(q.name, passive=True)
             await ctl_q.consume(self._on_control, no_ack=False)
+            self._held.append(ctl_q)
         # One channel per shard: prefetch is per consumer, and each holds up to 65,535 unacked.
         for q in self._topology.shards:
             ch = await self._conn.channel()
             await ch.set_qos(prefetch_count=self.prefetch)
-            shard = await ch.get_queue(q.name, ensure=False)
+            shard = await ch.declare_queue(q.name, passive=True)
             await shard.consume(self._on_request, no_ack=False)
+            self._held += [ch, shard]
         await self._watch_agent_queues()
         self._liveness = asyncio.create_task(self._liveness_loop())
         log.info("coordinator_started", shards=self.shards, policy=self.core.policy.name)
@@ -174,17 +188,16 @@ class Coordinator:
         which publishes in the default vhost ``/`` for every vhost) announces that. Best
         effort: without the plugin or access to ``/``, heartbeat timeouts and returned
         dispatches still detect a lost agent, only later."""
-        parts = urlsplit(self.amqp_url)
-        vhost = unquote(parts.path[1:]) or "/"
+        vhost = qlm_amqp.vhost_of(self.amqp_url)
         try:
-            self._events_conn = await aio_pika.connect_robust(
-                parts._replace(path="/").geturl(),
-                client_properties={"connection_name": "qlm-coordinator-events"},
+            self._events_conn = await qlm_amqp.connect(
+                qlm_amqp.with_vhost(self.amqp_url, "/"), name="qlm-coordinator-events"
             )
             ch = await self._events_conn.channel()
             events = await ch.get_exchange(EVENT_EXCHANGE, ensure=True)
             q = await ch.declare_queue(exclusive=True, auto_delete=True)
             await q.bind(events, routing_key="queue.deleted")
+            self._held += [ch, q]
         except Exception as exc:
             log.warning("agent_queue_events_unavailable", error=repr(exc)[:200])
             if self._events_conn is not None:
@@ -347,20 +360,35 @@ class Coordinator:
         self.metrics.observe_outcome("rejected")
 
     async def _reply(
-        self, reply_to: str, correlation_id: str | None, msg: ResultMessage | ErrorMessage
+        self,
+        reply_to: str,
+        correlation_id: str | None,
+        msg: ResultMessage | ErrorMessage,
+        *,
+        republish_within_s: float = 0.0,
     ) -> None:
-        assert self._pub is not None
-        await self._pub.default_exchange.publish(
-            aio_pika.Message(
-                msg.model_dump_json().encode(),
-                content_type=CONTENT_TYPE,
-                correlation_id=correlation_id,
-                message_id=msg.request_id,
-                type=msg.type,
-                delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
-            ),
-            routing_key=reply_to,
-            mandatory=False,  # a producer that went away loses its reply, nothing else
+        """Publish one reply and wait for its confirm. With ``republish_within_s``, a reply
+        whose confirm was lost with a connection is published again (same ``x-qlm-reply-id``,
+        so the producer drops the copy if the first one got through) instead of failing."""
+        assert self._pub is not None and self._conn is not None
+        message = aio_pika.Message(
+            msg.model_dump_json().encode(),
+            content_type=CONTENT_TYPE,
+            correlation_id=correlation_id,
+            message_id=msg.request_id,
+            type=msg.type,
+            # one id per reply: tells a broker redelivery or a republish of this reply (same
+            # id) from a second reply (a bug) at the producer
+            headers={REPLY_ID_HEADER: uuid.uuid4().hex},
+            delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+        )
+        # mandatory=False (the default): a producer that went away loses its reply, nothing else
+        await qlm_amqp.publish_confirmed(
+            self._conn,
+            self._pub.default_exchange,
+            message,
+            reply_to,
+            within_s=republish_within_s,
         )
 
     # ------------------------------------------------------------------ dispatch
@@ -596,7 +624,11 @@ class Coordinator:
         if t.reply_to or t.duplicates:
             try:
                 for reply_to, correlation_id in t.reply_targets():
-                    await self._reply(reply_to, correlation_id, msg)
+                    # A reply that may have got through must not be followed by a second
+                    # one from running the request again: publish the same reply again.
+                    await self._reply(
+                        reply_to, correlation_id, msg, republish_within_s=REPLY_REPUBLISH_S
+                    )
             except Exception:
                 log.exception("reply_failed", request_id=t.request_id)
                 self.core.release_answering(t.request_id)

@@ -1,0 +1,133 @@
+"""The load a chaos scenario runs under, and what it measures about the replies.
+
+A :class:`ChaosLoad` publishes requests with a producer that keeps a durable reply queue (so
+replies wait in the broker across a broker restart, as a durable producer's would), counts each
+request's replies (exactly one is correct), and turns the reply times into the recovery time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from qlm.client import QlmClient, Reply
+from qlm.types import SLO, RequestMessage, ResultMessage
+
+PUBLISH_CONCURRENCY = 200  # confirms awaited at once; one by one a cluster takes ~1.5 ms each
+RATE_WINDOW_S = 1.0
+RECOVERED_SHARE = 0.5  # replies flow again at half the rate before the fault
+
+
+@dataclass
+class ChaosLoad:
+    """``n`` requests of ``max_tokens`` tokens for ``model``, ids ``<prefix>-<i>``."""
+
+    amqp_url: str
+    prefix: str
+    n: int
+    model: str = "mistral-7b"
+    max_tokens: int = 300
+    prompt_tokens: int = 64
+    slo_s: float = 1800.0
+    client: QlmClient | None = None
+    futures: list[asyncio.Future[Reply]] = field(default_factory=list)
+    published_at: float = 0.0
+
+    async def __aenter__(self) -> ChaosLoad:
+        self.client = QlmClient(self.amqp_url, reply_queue=f"qlm.chaos.replies.{self.prefix}")
+        await self.client.connect()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self.client is not None:
+            await self.client.close()
+
+    def request(self, i: int) -> RequestMessage:
+        return RequestMessage(
+            request_id=f"{self.prefix}-{i}",
+            model=self.model,
+            prompt_token_ids=[1 + (j * 7) % 200 for j in range(self.prompt_tokens)],
+            max_tokens=self.max_tokens,
+            slo=SLO(e2e_ms=int(self.slo_s * 1000)),
+        )
+
+    async def publish(self) -> None:
+        """Publish every request; each returns once the broker confirmed it."""
+        assert self.client is not None
+        client = self.client
+        sem = asyncio.Semaphore(PUBLISH_CONCURRENCY)
+
+        async def one(i: int) -> asyncio.Future[Reply]:
+            async with sem:
+                return await client.submit(self.request(i))
+
+        self.futures = list(await asyncio.gather(*(one(i) for i in range(self.n))))
+        self.published_at = time.time()
+
+    def answered(self) -> int:
+        return sum(f.done() for f in self.futures)
+
+    def outstanding(self) -> int:
+        return self.n - self.answered()
+
+    async def wait_answered(self, at_least: int, timeout: float) -> None:  # noqa: ASYNC109
+        deadline = time.monotonic() + timeout
+        while self.answered() < at_least and time.monotonic() < deadline:  # noqa: ASYNC110
+            await asyncio.sleep(0.05)
+
+    async def wait_all(self, timeout: float) -> None:  # noqa: ASYNC109
+        """Until every request has a reply or ``timeout`` passed; then a moment more, so a
+        second reply (a duplicate) that is on its way is counted too."""
+        if self.futures:
+            await asyncio.wait(self.futures, timeout=timeout)
+        await asyncio.sleep(1.0)
+
+    def duplicates(self) -> int:
+        assert self.client is not None
+        return self.client.duplicate_count()
+
+    def errors(self) -> int:
+        return sum(
+            1
+            for f in self.futures
+            if f.done()
+            and not f.cancelled()
+            and (f.exception() is not None or not isinstance(f.result(), ResultMessage))
+        )
+
+    def reply_times(self) -> list[float]:
+        assert self.client is not None
+        return sorted(self.client.received_at.values())
+
+    def first_reply_after(self, t: float) -> float | None:
+        later = [x for x in self.reply_times() if x > t]
+        return later[0] if later else None
+
+
+def recovery_time(
+    reply_times: Sequence[float], fault_at: float, *, before_s: float = 3.0
+) -> float | None:
+    """Seconds from ``fault_at`` until the end of the first 1-second window after it in which
+    replies arrive at >= half the mean rate of the ``before_s`` seconds before the fault.
+    ``None`` when the rate never recovers (or there was no rate before the fault)."""
+    before = [t for t in reply_times if fault_at - before_s <= t < fault_at]
+    if not before:
+        return None
+    target = RECOVERED_SHARE * len(before) / before_s * RATE_WINDOW_S
+    after = [t for t in reply_times if t >= fault_at]
+    if not after:
+        return None
+    start = fault_at
+    i = 0
+    while start <= after[-1]:
+        end = start + RATE_WINDOW_S
+        count = 0
+        while i < len(after) and after[i] < end:
+            count += 1
+            i += 1
+        if count >= target:
+            return end - fault_at
+        start = end
+    return None
