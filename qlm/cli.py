@@ -18,6 +18,7 @@ import typer
 from typer.core import TyperGroup
 
 from qlm.config import Settings
+from qlm.gateway.command import register as register_gateway
 
 app = typer.Typer(
     help="qlm: SLO-aware durable queue manager for LLM serving.",
@@ -30,6 +31,7 @@ admin_app = typer.Typer(
 bench_app = typer.Typer(help="Benchmarks (results go to docs/benchmarks.md).", no_args_is_help=True)
 app.add_typer(admin_app, name="admin")
 app.add_typer(bench_app, name="bench")
+register_gateway(app)
 
 
 def _settings() -> Settings:
@@ -793,6 +795,40 @@ def bench_ingest(
             policies=policies.split(","),
         )
     )
+    typer.echo(json.dumps(result, indent=2))
+    if json_out:
+        json_out.write_text(json.dumps(result, indent=2))
+
+
+@bench_app.command("gateway")
+def bench_gateway(
+    requests: Annotated[int, typer.Option(help="measured requests per path")] = 500,
+    warmup: Annotated[int, typer.Option(help="unmeasured requests per path first")] = 50,
+    running: Annotated[
+        bool,
+        typer.Option(help="use the stack serving on QLM_AMQP_URL (default: a private one)"),
+    ] = False,
+    model: Annotated[str, typer.Option()] = "mistral-7b",
+    max_tokens: Annotated[int, typer.Option()] = 1,
+    json_out: Annotated[Path | None, typer.Option("--json")] = None,
+) -> None:
+    """Latency the OpenAI gateway adds over publishing with qlm.client (target: <= 5 ms p50)."""
+    from qlm.bench_gateway import run_gateway_bench
+
+    s = _settings()
+    _setup_logging(s, "bench")
+    try:
+        result = asyncio.run(
+            run_gateway_bench(
+                requests=requests,
+                warmup=warmup,
+                amqp_url=s.amqp_url if running else None,
+                model=model,
+                max_tokens=max_tokens,
+            )
+        )
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from e
     typer.echo(json.dumps(result, indent=2))
     if json_out:
         json_out.write_text(json.dumps(result, indent=2))

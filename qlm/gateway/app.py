@@ -1,0 +1,816 @@
+"""The gateway's HTTP layer: OpenAI requests in, qlm requests out, qlm replies back as OpenAI
+responses.
+
+One :class:`GatewayClient` (a long-lived ``QlmClient``) per process publishes every call to
+``qlm.ingress`` with a publisher confirm and matches the reply by correlation id. The request is
+durable once the broker confirmed it; the HTTP call then waits for the one reply, for the
+configured timeout, or for the client to go away, whichever comes first.
+
+qlm's wire protocol answers with whole results (no token stream), so ``stream: true`` sends
+the finished text as a burst of SSE chunks once the result is in: the client's time to first
+byte is the request's end-to-end latency. The protocol has no cancel message either: a client
+that disconnects stops the gateway waiting, but the request stays queued and is served.
+docs/gateway.md says what protocol change each of these needs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import hmac
+import json
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+import structlog
+from fastapi import FastAPI, Request
+from fastapi.responses import Response, StreamingResponse
+from pydantic import BaseModel, Field, SecretStr, ValidationError, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Receive
+
+from qlm.admin import AdminServer, serve_admin
+from qlm.catalog import ModelCatalog, ModelSpec, UnknownModelError
+from qlm.client import MalformedReply, QlmClient, Reply
+from qlm.gateway.openai_types import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChatMessageOut,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    ErrorDetail,
+    ErrorResponse,
+    FinishReason,
+    ModelCard,
+    ModelList,
+    QlmInfo,
+    UsageOut,
+)
+from qlm.types import (
+    SLO,
+    ChatMessage,
+    ErrorCode,
+    ErrorMessage,
+    RequestMessage,
+    ResultMessage,
+    SamplingParams,
+)
+
+log = structlog.get_logger(__name__)
+
+# RFC 6750 b64token, as the admin API requires of its tokens: every configured key can be sent.
+_B64TOKEN = re.compile(r"[A-Za-z0-9\-._~+/]+=*")
+_MIN_KEY_CHARS = 16
+_CHALLENGE = 'Bearer realm="qlm-gateway"'
+_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+# --- configuration -----------------------------------------------------------------------------
+
+
+class GatewaySettings(BaseSettings):
+    """``QLM_GATEWAY_*`` environment variables (the broker URL and the model catalog come from
+    the shared ``QLM_*`` settings, so the gateway and the coordinator agree on them)."""
+
+    model_config = SettingsConfigDict(env_prefix="QLM_GATEWAY_", extra="ignore")
+
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=0, le=65535)
+    # API key -> tenant, as a JSON object; a secret, so never shown in a repr or a log.
+    api_keys: SecretStr | None = None
+    # A JSON file of the same shape (merged with api_keys; a key in both must agree).
+    api_keys_file: Path | None = None
+    # SLO of a call that names none (x-qlm-slo-ms / qlm_slo_ms), end to end, in ms.
+    default_slo_ms: int = Field(default=60_000, gt=0)
+    # Optional TTFT deadline of a call that names no SLO at all.
+    default_ttft_ms: int | None = Field(default=None, gt=0)
+    # max_tokens of a chat call that sends none (capped at the model's max_output_tokens).
+    default_max_tokens: int = Field(default=256, ge=1)
+    # How long one HTTP call waits for its reply before a 504. qlm serves late work anyway.
+    timeout_s: float = Field(default=600.0, gt=0)
+    # Largest request body read (bytes); larger gets a 413. The coordinator's own limit,
+    # QLM_MAX_BODY_BYTES, applies to the translated request as well.
+    max_body_bytes: int = Field(default=1_048_576, ge=1024)
+    # Retry-After (seconds) on a 429 (qlm overloaded) or 503 (broker unreachable).
+    retry_after_s: int = Field(default=1, ge=1)
+    tls_cert: str | None = None
+    tls_key: str | None = None
+
+    @model_validator(mode="after")
+    def _tls_pair(self) -> GatewaySettings:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("QLM_GATEWAY_TLS_CERT and QLM_GATEWAY_TLS_KEY go together: set both")
+        return self
+
+
+class ApiKeys:
+    """API key → tenant. Keys are kept only as SHA-256 digests and every lookup compares the
+    digest of the presented key with *all* of them in constant time, so neither a key's
+    content nor its position in the table leaks through response timing."""
+
+    def __init__(self, keys: Mapping[str, str]) -> None:
+        if not keys:
+            raise ValueError("no API keys configured (QLM_GATEWAY_API_KEYS or _API_KEYS_FILE)")
+        entries: list[tuple[bytes, str]] = []
+        for n, (key, tenant) in enumerate(keys.items()):
+            # The error names the entry by position: the key itself must never be printed.
+            if not isinstance(key, str) or not _B64TOKEN.fullmatch(key):
+                raise ValueError(f"API key #{n + 1} has characters a bearer token cannot carry")
+            if len(key) < _MIN_KEY_CHARS:
+                raise ValueError(f"API key #{n + 1} is shorter than {_MIN_KEY_CHARS} characters")
+            if not isinstance(tenant, str) or len(tenant) > 128:
+                raise ValueError(f"the tenant of API key #{n + 1} must be a string ≤ 128 chars")
+            entries.append((hashlib.sha256(key.encode()).digest(), tenant))
+        self._entries = entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def tenant_for(self, presented: str) -> str | None:
+        """The tenant of ``presented``, or None when it is no configured key."""
+        digest = hashlib.sha256(presented.encode("utf-8", "surrogatepass")).digest()
+        found: str | None = None
+        for key_digest, tenant in self._entries:  # no early exit: constant work per lookup
+            if hmac.compare_digest(digest, key_digest):
+                found = tenant
+        return found
+
+    @classmethod
+    def from_settings(cls, settings: GatewaySettings) -> ApiKeys:
+        keys: dict[str, str] = {}
+        sources: list[tuple[str, str]] = []
+        if settings.api_keys is not None:
+            sources.append(("QLM_GATEWAY_API_KEYS", settings.api_keys.get_secret_value()))
+        if settings.api_keys_file is not None:
+            try:
+                text = settings.api_keys_file.read_text()
+            except OSError as exc:
+                raise ValueError(f"QLM_GATEWAY_API_KEYS_FILE: {exc.strerror}") from None
+            sources.append(("QLM_GATEWAY_API_KEYS_FILE", text))
+        for name, text in sources:
+            try:
+                loaded = json.loads(text)
+            except json.JSONDecodeError as exc:
+                # Position only: the message would quote the (secret) text.
+                raise ValueError(f"{name}: not JSON (line {exc.lineno})") from None
+            if not isinstance(loaded, dict):
+                raise ValueError(f"{name}: must be a JSON object of API key -> tenant")
+            for key, tenant in loaded.items():
+                if key in keys and keys[key] != tenant:
+                    raise ValueError(f"{name}: a key is mapped to two different tenants")
+                keys[key] = tenant
+        return cls(keys)
+
+
+# --- the long-lived qlm client ----------------------------------------------------------------
+
+
+class GatewayClient(QlmClient):
+    """The gateway's long-lived ``QlmClient``: it ``forget()``s each request once its HTTP
+    call is over (answered, timed out or abandoned), so its books do not grow without bound,
+    and a reply that comes for a forgotten request is dropped quietly."""
+
+    def __init__(self, amqp_url: str) -> None:
+        super().__init__(amqp_url, app_id="qlm-gateway")
+
+
+# --- errors ----------------------------------------------------------------------------------
+
+
+class GatewayError(Exception):
+    """An error answered as OpenAI's ``{"error": {message, type, param, code}}`` body."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",  # noqa: A002 - OpenAI's field name
+        code: str | None = None,
+        param: str | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.body = ErrorResponse(
+            error=ErrorDetail(message=message, type=type, param=param, code=code)
+        )
+        self.headers = dict(headers or {})
+
+    def response(self) -> Response:
+        return Response(
+            self.body.model_dump_json(),
+            status_code=self.status,
+            media_type="application/json",
+            headers=self.headers,
+        )
+
+
+class _ClientGone(Exception):
+    """The HTTP client disconnected while its request waited for the reply."""
+
+
+# qlm ErrorMessage code -> (HTTP status, OpenAI error type, OpenAI error code).
+_QLM_ERRORS: dict[ErrorCode, tuple[int, str, str]] = {
+    ErrorCode.INVALID_JSON: (400, "invalid_request_error", "invalid_json"),
+    ErrorCode.INVALID_ENCODING: (400, "invalid_request_error", "invalid_encoding"),
+    ErrorCode.INVALID_CONTENT_TYPE: (400, "invalid_request_error", "invalid_content_type"),
+    ErrorCode.BODY_TOO_LARGE: (400, "invalid_request_error", "body_too_large"),
+    ErrorCode.SCHEMA_VIOLATION: (400, "invalid_request_error", "schema_violation"),
+    ErrorCode.MAX_TOKENS_OUT_OF_RANGE: (400, "invalid_request_error", "max_tokens_out_of_range"),
+    # OpenAI's code for the same condition, so clients that special-case it keep working.
+    ErrorCode.PROMPT_TOO_LONG: (400, "invalid_request_error", "context_length_exceeded"),
+    ErrorCode.UNKNOWN_MODEL: (404, "invalid_request_error", "model_not_found"),
+    ErrorCode.OVERLOADED: (429, "rate_limit_error", "overloaded"),
+    ErrorCode.ENGINE_ERROR: (500, "server_error", "engine_error"),
+    ErrorCode.DELIVERY_LIMIT: (500, "server_error", "delivery_limit"),
+    ErrorCode.INTERNAL_ERROR: (500, "server_error", "internal_error"),
+}
+_QLM_PARAMS: dict[ErrorCode, str] = {
+    ErrorCode.MAX_TOKENS_OUT_OF_RANGE: "max_tokens",
+    ErrorCode.UNKNOWN_MODEL: "model",
+}
+
+
+def error_from_reply(reply: ErrorMessage, retry_after_s: int) -> GatewayError:
+    status, type_, code = _QLM_ERRORS.get(reply.code, (500, "server_error", str(reply.code)))
+    headers = {"Retry-After": str(retry_after_s)} if status == 429 else None
+    return GatewayError(
+        status,
+        reply.message,
+        type=type_,
+        code=code,
+        param=_QLM_PARAMS.get(reply.code),
+        headers=headers,
+    )
+
+
+def _validation_error(exc: ValidationError) -> GatewayError:
+    first = exc.errors(include_url=False, include_input=False)[0]
+    where = ".".join(str(p) for p in first["loc"])
+    msg = str(first["msg"]).removeprefix("Value error, ")
+    return GatewayError(
+        400,
+        f"{where}: {msg}" if where else msg,
+        code="invalid_request",
+        param=where or None,
+    )
+
+
+# --- request translation ---------------------------------------------------------------------
+
+_M = TypeVar("_M", bound=BaseModel)
+
+
+def _parse(model: type[_M], body: bytes) -> _M:
+    if not body:
+        raise GatewayError(400, "the request body is empty; send a JSON object")
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as exc:
+        if exc.errors()[0]["type"] == "json_invalid":
+            raise GatewayError(
+                400, "the request body is not valid JSON", code="invalid_json"
+            ) from None
+        raise _validation_error(exc) from None
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The body, refused with a 413 as soon as it is known to exceed ``limit``: before reading
+    when Content-Length says so, else while reading (chunked uploads)."""
+    too_large = GatewayError(413, f"the request body exceeds {limit} bytes", code="body_too_large")
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise too_large
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _header_int(request: Request, name: str) -> int | None:
+    raw = request.headers.get(name)
+    if raw is None:
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        raise GatewayError(400, f"header {name} must be an integer", param=name) from None
+
+
+@dataclass(frozen=True)
+class _Call:
+    """What one HTTP call needs after its request left for the queue."""
+
+    kind: Literal["completion", "chat"]
+    request_id: str
+    public_id: str
+    model: str
+    stream: bool
+    include_usage: bool
+
+
+class _Gateway:
+    def __init__(
+        self,
+        client: GatewayClient,
+        keys: ApiKeys,
+        catalog: ModelCatalog,
+        settings: GatewaySettings,
+    ) -> None:
+        self.client = client
+        self.keys = keys
+        self.catalog = catalog
+        self.settings = settings
+
+    # ---- auth, model, SLO
+
+    def tenant(self, request: Request) -> str | None:
+        header = request.headers.get("authorization", "")
+        scheme, _, presented = header.partition(" ")
+        if scheme.lower() != "bearer" or not presented.strip():
+            raise GatewayError(
+                401,
+                "no API key: send 'Authorization: Bearer <key>'",
+                code="invalid_api_key",
+                headers={"WWW-Authenticate": _CHALLENGE},
+            )
+        tenant = self.keys.tenant_for(presented.strip())
+        if tenant is None:
+            raise GatewayError(
+                401,
+                "incorrect API key",
+                code="invalid_api_key",
+                headers={"WWW-Authenticate": _CHALLENGE},
+            )
+        return tenant or None  # "" is qlm's default tenant, sent as no tenant at all
+
+    def spec(self, model: str) -> ModelSpec:
+        try:
+            return self.catalog.get(model)
+        except UnknownModelError:
+            raise GatewayError(
+                404,
+                f"the model {model!r} does not exist; GET /v1/models lists the models served",
+                code="model_not_found",
+                param="model",
+            ) from None
+
+    def slo(self, request: Request, body: CompletionRequest | ChatCompletionRequest) -> SLO:
+        """Body field, else header, else the configured default. A call that names only a
+        TTFT deadline gets only that one: it asked for first-token latency, not a deadline on
+        the whole answer."""
+        e2e = body.qlm_slo_ms or _header_int(request, "x-qlm-slo-ms")
+        ttft = body.qlm_ttft_ms or _header_int(request, "x-qlm-ttft-ms")
+        slo_class = body.qlm_slo_class or request.headers.get("x-qlm-slo-class")
+        if e2e is None and ttft is None:
+            e2e, ttft = self.settings.default_slo_ms, self.settings.default_ttft_ms
+        try:
+            return SLO(e2e_ms=e2e, ttft_ms=ttft, slo_class=slo_class)
+        except ValidationError as exc:
+            raise _validation_error(exc) from None
+
+    def priority(self, request: Request, body: CompletionRequest | ChatCompletionRequest) -> int:
+        if body.qlm_priority is not None:
+            return body.qlm_priority
+        p = _header_int(request, "x-qlm-priority")
+        if p is not None and not 0 <= p <= 9:
+            raise GatewayError(400, "header x-qlm-priority must be 0-9", param="x-qlm-priority")
+        return p or 0
+
+    def message(
+        self,
+        request: Request,
+        body: CompletionRequest | ChatCompletionRequest,
+        tenant: str | None,
+        request_id: str,
+    ) -> RequestMessage:
+        spec = self.spec(body.model)
+        sampling = SamplingParams(
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            top_k=-1 if body.qlm_top_k is None else body.qlm_top_k,
+            seed=body.seed,
+            stop=body.stop_list(),
+        )
+        fields: dict[str, Any]
+        if isinstance(body, CompletionRequest):
+            prompt = body.single_prompt()
+            fields = {"prompt": prompt} if isinstance(prompt, str) else {"prompt_token_ids": prompt}
+            max_tokens = body.max_tokens or 16
+        else:
+            chat = [ChatMessage(role=m.wire_role(), content=m.text()) for m in body.messages]
+            fields = {"messages": chat}
+            max_tokens = body.requested_max_tokens() or min(
+                self.settings.default_max_tokens, spec.max_output_tokens
+            )
+        try:
+            return RequestMessage(
+                request_id=request_id,
+                model=body.model,
+                max_tokens=max_tokens,
+                sampling=sampling,
+                slo=self.slo(request, body),
+                priority=self.priority(request, body),
+                tenant=tenant,
+                **fields,
+            )
+        except ValidationError as exc:
+            raise _validation_error(exc) from None
+
+    # ---- the round trip
+
+    async def round_trip(self, request: Request, message: RequestMessage) -> ResultMessage:
+        """Publish, then wait for the reply, the timeout or the client leaving."""
+        rid = message.request_id
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.settings.timeout_s
+        try:
+            # Bounded too: a broker under a resource alarm blocks publishers indefinitely.
+            fut = await asyncio.wait_for(
+                self.client.submit(message, submitted_at=time.time()), self.settings.timeout_s
+            )
+        except Exception as exc:  # noqa: BLE001 - any publish failure: not confirmed, say so
+            self.client.forget(rid)
+            log.warning("gateway_publish_failed", request_id=rid, error=type(exc).__name__)
+            raise GatewayError(
+                503,
+                "the request could not be queued (message broker unavailable); retry",
+                type="server_error",
+                code="service_unavailable",
+                headers={"Retry-After": str(self.settings.retry_after_s)},
+            ) from None
+        gone = asyncio.create_task(_until_disconnect(request.receive))
+        waiting: set[asyncio.Future[Any]] = {fut, gone}
+        try:
+            done, _ = await asyncio.wait(
+                waiting,
+                timeout=max(0.0, deadline - loop.time()),
+                return_when=asyncio.FIRST_COMPLETED,
+            )
+        finally:
+            gone.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await gone
+        try:
+            if fut.cancelled():  # the client closed under us: the process is stopping
+                raise GatewayError(
+                    503, "the gateway is shutting down", type="server_error", code="shutting_down"
+                )
+            if fut.done():
+                return self._result(fut.result())
+            if gone in done:
+                # No cancel in the protocol: the request stays queued and is served; we only
+                # stop waiting for it. docs/gateway.md, "What is missing".
+                log.info("gateway_client_disconnected", request_id=rid)
+                raise _ClientGone
+            log.warning("gateway_timeout", request_id=rid, timeout_s=self.settings.timeout_s)
+            raise GatewayError(
+                504,
+                f"no reply within {self.settings.timeout_s:g} s; the request stays queued",
+                type="timeout_error",
+                code="timeout",
+            )
+        except MalformedReply:
+            log.error("gateway_malformed_reply", request_id=rid)
+            raise GatewayError(
+                502, "qlm sent a reply that is not valid", type="server_error", code="bad_reply"
+            ) from None
+        finally:
+            self.client.forget(rid)
+
+    def _result(self, reply: Reply) -> ResultMessage:
+        if isinstance(reply, ErrorMessage):
+            log.info("gateway_error_reply", request_id=reply.request_id, code=str(reply.code))
+            raise error_from_reply(reply, self.settings.retry_after_s)
+        return reply
+
+
+async def _until_disconnect(receive: Receive) -> None:
+    # The body has been read, so the next ASGI message the server hands us is the disconnect.
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+# --- responses -------------------------------------------------------------------------------
+
+
+def _finish(reason: str) -> FinishReason:
+    # OpenAI has no "abort" (qlm: the engine stopped the request early). The text is cut
+    # short, which is what "length" tells a client.
+    return "stop" if reason == "stop" else "length"
+
+
+def _usage(result: ResultMessage) -> UsageOut:
+    u = result.usage
+    return UsageOut(
+        prompt_tokens=u.prompt_tokens,
+        completion_tokens=u.completion_tokens,
+        total_tokens=u.prompt_tokens + u.completion_tokens,
+    )
+
+
+def _info(result: ResultMessage) -> QlmInfo:
+    t = result.timestamps
+    queue_ms = None if t.started is None else round((t.started - t.submitted) * 1000, 3)
+    return QlmInfo(
+        request_id=result.request_id,
+        instance_id=result.instance_id,
+        attempts=result.attempts,
+        slo_met=result.slo.met,
+        e2e_ms=result.slo.e2e_ms,
+        ttft_ms=result.slo.ttft_ms,
+        queue_ms=queue_ms,
+    )
+
+
+_PIECES = re.compile(r"\S+\s*|\s+")
+
+
+def _pieces(text: str) -> list[str]:
+    """Word-sized pieces whose concatenation is exactly ``text`` (no tokenizer here)."""
+    return _PIECES.findall(text)
+
+
+def _sse(payload: BaseModel) -> bytes:
+    return b"data: " + payload.model_dump_json().encode() + b"\n\n"
+
+
+_DONE = b"data: [DONE]\n\n"
+
+
+def _json(model: BaseModel, rid: str) -> Response:
+    return Response(
+        model.model_dump_json(),
+        media_type="application/json",
+        headers={"x-qlm-request-id": rid},
+    )
+
+
+def completion_response(call: _Call, result: ResultMessage) -> Response:
+    created = int(time.time())
+    finish = _finish(result.finish_reason)
+    if not call.stream:
+        body = CompletionResponse(
+            id=call.public_id,
+            created=created,
+            model=call.model,
+            choices=[CompletionChoice(text=result.output_text, finish_reason=finish)],
+            usage=_usage(result),
+            qlm=_info(result),
+        )
+        return _json(body, call.request_id)
+
+    def chunk(text: str, reason: FinishReason | None) -> bytes:
+        return _sse(
+            CompletionResponse(
+                id=call.public_id,
+                created=created,
+                model=call.model,
+                choices=[CompletionChoice(text=text, finish_reason=reason)],
+            )
+        )
+
+    async def events() -> AsyncIterator[bytes]:
+        for piece in _pieces(result.output_text):
+            yield chunk(piece, None)
+        yield chunk("", finish)
+        if call.include_usage:
+            yield _sse(
+                CompletionResponse(
+                    id=call.public_id,
+                    created=created,
+                    model=call.model,
+                    choices=[],
+                    usage=_usage(result),
+                    qlm=_info(result),
+                )
+            )
+        yield _DONE
+
+    return _stream(events(), call.request_id)
+
+
+def chat_response(call: _Call, result: ResultMessage) -> Response:
+    created = int(time.time())
+    finish = _finish(result.finish_reason)
+    if not call.stream:
+        body = ChatCompletionResponse(
+            id=call.public_id,
+            created=created,
+            model=call.model,
+            choices=[
+                ChatChoice(message=ChatMessageOut(content=result.output_text), finish_reason=finish)
+            ],
+            usage=_usage(result),
+            qlm=_info(result),
+        )
+        return _json(body, call.request_id)
+
+    def chunk(delta: ChatDelta, reason: FinishReason | None = None) -> bytes:
+        return _sse(
+            ChatCompletionChunk(
+                id=call.public_id,
+                created=created,
+                model=call.model,
+                choices=[ChatChunkChoice(delta=delta, finish_reason=reason)],
+            )
+        )
+
+    async def events() -> AsyncIterator[bytes]:
+        yield chunk(ChatDelta(role="assistant", content=""))
+        for piece in _pieces(result.output_text):
+            yield chunk(ChatDelta(content=piece))
+        yield chunk(ChatDelta(), finish)
+        if call.include_usage:
+            yield _sse(
+                ChatCompletionChunk(
+                    id=call.public_id,
+                    created=created,
+                    model=call.model,
+                    choices=[],
+                    usage=_usage(result),
+                    qlm=_info(result),
+                )
+            )
+        yield _DONE
+
+    return _stream(events(), call.request_id)
+
+
+def _stream(events: AsyncIterator[bytes], rid: str) -> StreamingResponse:
+    return StreamingResponse(
+        events,
+        media_type="text/event-stream",
+        headers={**_SSE_HEADERS, "x-qlm-request-id": rid},
+    )
+
+
+# --- the app ---------------------------------------------------------------------------------
+
+
+def create_gateway_app(
+    client: GatewayClient,
+    *,
+    keys: ApiKeys,
+    catalog: ModelCatalog,
+    settings: GatewaySettings | None = None,
+) -> FastAPI:
+    """The gateway's ASGI app. ``client`` must be connected; its lifetime is the caller's
+    (one client per process, shared by every call)."""
+    gw = _Gateway(client, keys, catalog, settings or GatewaySettings())
+    app = FastAPI(
+        title="qlm gateway",
+        summary="OpenAI-compatible front door onto qlm's durable queue",
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+    )
+
+    async def handle(
+        request: Request,
+        kind: Literal["completion", "chat"],
+        render: Callable[[_Call, ResultMessage], Response],
+    ) -> Response:
+        started = time.perf_counter()
+        tenant = gw.tenant(request)
+        raw = await _read_body(request, gw.settings.max_body_bytes)
+        body: CompletionRequest | ChatCompletionRequest = (
+            _parse(CompletionRequest, raw)
+            if kind == "completion"
+            else _parse(ChatCompletionRequest, raw)
+        )
+        rid = f"gw-{uuid.uuid4().hex}"
+        message = gw.message(request, body, tenant, rid)
+        call = _Call(
+            kind=kind,
+            request_id=rid,
+            public_id=("cmpl-" if kind == "completion" else "chatcmpl-") + rid,
+            model=body.model,
+            stream=body.stream,
+            include_usage=body.include_usage(),
+        )
+        try:
+            result = await gw.round_trip(request, message)
+        except _ClientGone:
+            # Nobody reads this; 499 is the de-facto "client closed request" status in logs.
+            return Response(status_code=499)
+        log.debug(
+            "gateway_reply",
+            request_id=rid,
+            tenant=tenant,
+            model=body.model,
+            stream=body.stream,
+            ms=round((time.perf_counter() - started) * 1000, 3),
+        )
+        return render(call, result)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await handle(request, "completion", completion_response)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await handle(request, "chat", chat_response)
+
+    @app.get("/v1/models")
+    async def list_models(request: Request) -> Response:
+        gw.tenant(request)
+        cards = [ModelCard(id=name) for name in catalog.names()]
+        return Response(ModelList(data=cards).model_dump_json(), media_type="application/json")
+
+    @app.get("/v1/models/{model:path}")
+    async def get_model(request: Request, model: str) -> Response:
+        gw.tenant(request)
+        gw.spec(model)
+        return Response(ModelCard(id=model).model_dump_json(), media_type="application/json")
+
+    @app.get("/healthz")
+    async def healthz() -> dict[str, Any]:
+        # Open, like the admin API's: probes carry no key. Says nothing about tenants or keys.
+        return {"status": "ok", "waiting": client.outstanding()}
+
+    @app.exception_handler(GatewayError)
+    async def _gateway_error(_: Request, exc: GatewayError) -> Response:
+        return exc.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> Response:
+        code = "not_found" if exc.status_code == 404 else None
+        return GatewayError(exc.status_code, str(exc.detail), code=code).response()
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception) -> Response:
+        log.error("gateway_internal_error", path=request.url.path, error=type(exc).__name__)
+        return GatewayError(
+            500, "internal error", type="server_error", code="internal_error"
+        ).response()
+
+    return app
+
+
+# --- serving ---------------------------------------------------------------------------------
+
+
+@dataclass
+class GatewayServer:
+    """A running gateway: its HTTP server and its qlm client."""
+
+    http: AdminServer
+    client: GatewayClient
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.http.host}:{self.http.port}"
+
+    async def stop(self) -> None:
+        await self.http.stop()
+        await self.client.close()
+
+
+async def serve_gateway(
+    amqp_url: str,
+    *,
+    keys: ApiKeys,
+    catalog: ModelCatalog,
+    settings: GatewaySettings | None = None,
+    host: str | None = None,
+    port: int | None = None,
+) -> GatewayServer:
+    """Connect the qlm client and serve the gateway in the current event loop; return once it
+    listens (port 0 picks a free one: ``GatewayServer.url``)."""
+    s = settings or GatewaySettings()
+    client = GatewayClient(amqp_url)
+    await client.connect()
+    try:
+        api = create_gateway_app(client, keys=keys, catalog=catalog, settings=s)
+        http = await serve_admin(
+            api,
+            host or s.host,
+            s.port if port is None else port,
+            tls_cert=s.tls_cert,
+            tls_key=s.tls_key,
+        )
+    except BaseException:
+        await client.close()
+        raise
+    log.info("gateway_listening", host=http.host, port=http.port, api_keys=len(keys))
+    return GatewayServer(http, client)

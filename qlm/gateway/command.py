@@ -1,0 +1,89 @@
+"""The ``qlm gateway`` command. ``qlm/cli.py`` calls :func:`register` to add it."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from typing import TYPE_CHECKING, Annotated, TypeVar
+
+import typer
+
+if TYPE_CHECKING:  # the command imports the app lazily: `qlm --help` stays fast
+    from pydantic_settings import BaseSettings
+
+    from qlm.gateway.app import ApiKeys, GatewaySettings
+
+_S = TypeVar("_S", bound="BaseSettings")
+
+
+def _load(cls: type[_S], prefix: str) -> _S:
+    """Settings from the environment, or one line per bad variable and exit status 2 (the
+    values themselves are not echoed: QLM_GATEWAY_API_KEYS is a secret)."""
+    from pydantic import ValidationError
+
+    try:
+        return cls()
+    except ValidationError as exc:
+        for err in exc.errors(include_input=False, include_url=False):
+            where = ".".join(str(p) for p in err["loc"])
+            msg = str(err["msg"]).removeprefix("Value error, ")
+            name = f"{prefix}{where.upper()}" if where else "settings"
+            typer.echo(f"qlm: {name}: {msg}", err=True)
+        raise typer.Exit(2) from None
+
+
+def register(app: typer.Typer) -> None:
+    """Add the ``gateway`` command to the qlm CLI."""
+
+    @app.command("gateway")
+    def gateway(
+        host: Annotated[
+            str | None, typer.Option(help="listen address (QLM_GATEWAY_HOST, 127.0.0.1)")
+        ] = None,
+        port: Annotated[
+            int | None, typer.Option(help="listen port (QLM_GATEWAY_PORT, 8000)")
+        ] = None,
+    ) -> None:
+        """OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models) onto
+        the durable queue. API keys: QLM_GATEWAY_API_KEYS or QLM_GATEWAY_API_KEYS_FILE (JSON,
+        key -> tenant). See docs/gateway.md."""
+        from qlm.config import Settings
+        from qlm.gateway.app import ApiKeys, GatewaySettings
+        from qlm.logging import configure_logging
+
+        s = _load(Settings, "QLM_")
+        gs = _load(GatewaySettings, "QLM_GATEWAY_")
+        configure_logging(s.log_level, s.log_format, "gateway")
+        try:
+            keys = ApiKeys.from_settings(gs)
+        except ValueError as exc:
+            typer.echo(f"qlm: {exc}", err=True)
+            raise typer.Exit(2) from None
+        asyncio.run(_run(s.amqp_url, s.models_file, keys, gs, host, port))
+
+
+async def _run(
+    amqp_url: str,
+    models_file: str | None,
+    keys: ApiKeys,
+    settings: GatewaySettings,
+    host: str | None,
+    port: int | None,
+) -> None:
+    from qlm.catalog import ModelCatalog
+    from qlm.gateway.app import serve_gateway
+
+    # The coordinator's catalog, read the same way, so a model the gateway lists is one the
+    # coordinator accepts.
+    catalog = ModelCatalog.from_file(models_file) if models_file else ModelCatalog()
+    server = await serve_gateway(
+        amqp_url, keys=keys, catalog=catalog, settings=settings, host=host, port=port
+    )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        await server.stop()
