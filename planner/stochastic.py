@@ -23,6 +23,7 @@ its nearest group in O(k) and flags a predicted violation for :meth:`wants_repla
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import math
 import time
@@ -60,6 +61,12 @@ class QLMConfig:
     # Until completions are observed, assume each request may use its whole max_tokens (the
     # conservative prior); "sharegpt" etc. use a shipped length table instead.
     output_prior: str = "max_tokens"
+    # "normal": the per-group fit above; "forest": per-request quantile regression forest once
+    # it has 256 completions of a model (qlm/length_forest.py, docs/length-bound.md)
+    length_model: str = "normal"
+    # keep max_tokens out of the forest's features: the simulator derives it from the true
+    # output (max_tokens = ceil(output × slack)), which would leak the answer
+    length_cap_feature: bool = True
     time_budget_s: float = 0.3  # improvement phases stop here (measured from plan() start)
     scale_up_budget_s: float = 0.05
     head_groups: int = 6  # rolling horizon: groups per queue ordered exactly by the MILP
@@ -116,7 +123,21 @@ class QLMPolicy(QueuePolicy):
         self._clock: Callable[[], float] = (
             WorkClock() if cfg.budget_clock == "work" else time.perf_counter
         )
-        self.estimator = RCTEstimator(OutputLengthModel(cfg.output_prior))
+        self._forest_lengths = cfg.length_model == "forest"
+        if cfg.length_model == "forest":
+            from qlm.length_forest import ForestLengthModel, QuantileLengthPredictor
+
+            lengths: OutputLengthModel = ForestLengthModel(
+                cfg.output_prior,
+                forest=QuantileLengthPredictor(cap_feature=cfg.length_cap_feature),
+                auto_refresh=False,  # _maybe_refresh_forest: off the event loop when live
+            )
+        elif cfg.length_model == "normal":
+            lengths = OutputLengthModel(cfg.output_prior)
+        else:
+            raise ValueError(f"length_model must be normal or forest, got {cfg.length_model!r}")
+        self.estimator = RCTEstimator(lengths)
+        self._forest_refresh: asyncio.Task[Any] | None = None
         # -- state kept between plans for place()/sort_key()/wants_replan()
         self._keys: dict[str, tuple[float, int]] = {}
         self._index = GroupIndex()
@@ -142,8 +163,45 @@ class QLMPolicy(QueuePolicy):
         their planned position; an arrival sorts right after its group's last member."""
         return self._keys.get(request.request_id, (math.inf, request.seq))
 
-    def observe_completion(self, model: str, slo_class: str | None, output_tokens: int) -> None:
-        self.estimator.lengths.observe(model, slo_class, output_tokens)
+    def observe_completion(
+        self,
+        model: str,
+        slo_class: str | None,
+        output_tokens: int,
+        *,
+        prompt_tokens: int | None = None,
+        max_tokens: int | None = None,
+        tenant: str | None = None,
+    ) -> None:
+        lengths = self.estimator.lengths
+        lengths.observe(
+            model,
+            slo_class,
+            output_tokens,
+            prompt_tokens=prompt_tokens,
+            max_tokens=max_tokens,
+            tenant=tenant,
+        )
+        if self._forest_lengths:
+            self._maybe_refresh_forest()
+
+    def _maybe_refresh_forest(self) -> None:
+        """Retrain the length forest when due: in a worker thread when an event loop runs (the
+        live coordinator: a refresh costs ~0.3 s of CPU), inline otherwise (the simulator,
+        whose clock is virtual)."""
+        from qlm.length_forest import ForestLengthModel
+
+        lengths = self.estimator.lengths
+        assert isinstance(lengths, ForestLengthModel)
+        if not lengths.forest.refresh_due:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            lengths.forest.refresh()
+            return
+        if self._forest_refresh is None or self._forest_refresh.done():
+            self._forest_refresh = loop.create_task(lengths.forest.refresh_async())
 
     def predicted_completions(self) -> dict[str, float]:
         """Completion time of every request of the last plan at the chance level Δ (with
@@ -374,7 +432,10 @@ class QLMPolicy(QueuePolicy):
             keys.setdefault((r.model, r.slo_class), []).append(k)
         for (model, cls), idx in keys.items():
             ix = np.asarray(idx)
-            out_mean[ix], out_var[ix] = self.estimator.lengths.predict(model, cls, max_tok[ix])
+            # per request when the forest is in use: it prices each prompt
+            out_mean[ix], out_var[ix] = self.estimator.lengths.predict(
+                model, cls, max_tok[ix], prompt_tokens=prompt[ix]
+            )
         inf = math.inf
         e2e = np.fromiter((r.deadline if r.deadline is not None else inf for r in reqs), float, n)
         ttft = np.fromiter(

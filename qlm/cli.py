@@ -834,6 +834,27 @@ def bench_gateway(
         json_out.write_text(json.dumps(result, indent=2))
 
 
+@bench_app.command("lengths")
+def bench_lengths_cmd(
+    limit: Annotated[
+        int | None, typer.Option(min=100, help="only the first N requests of each data set")
+    ] = None,
+    json_out: Annotated[Path | None, typer.Option("--json", help="write the result here")] = None,
+) -> None:
+    """Output-length bound: empirical coverage of the predicted 0.5/0.9 quantiles on held-out
+    trace data, the quantile forest vs the per-group normal fit (docs/length-bound.md).
+    Exit status 1 when a target (within ±3 points of q, and closer than the normal fit) is
+    missed."""
+    from qlm.bench_lengths import bench_lengths, lengths_markdown
+
+    result = bench_lengths(limit=limit)
+    typer.echo(lengths_markdown(result))
+    if json_out:
+        json_out.write_text(json.dumps(result, indent=2))
+    if not result["all_checks_pass"]:
+        raise typer.Exit(1)
+
+
 @bench_app.command("planner")
 def bench_planner(
     queued: Annotated[int | None, typer.Option(help="one queue size (default 1k,10k,100k)")] = None,

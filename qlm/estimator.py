@@ -231,7 +231,20 @@ class OutputLengthModel:
         self._samples: dict[tuple[str, str | None], _Sample] = {}
         self._prior: _Sample | None = None
 
-    def observe(self, model: str, slo_class: str | None, output_tokens: int) -> None:
+    def observe(
+        self,
+        model: str,
+        slo_class: str | None,
+        output_tokens: int,
+        *,
+        prompt_tokens: int | None = None,
+        max_tokens: int | None = None,
+        tenant: str | None = None,
+        task: str | None = None,
+    ) -> None:
+        """Learn from a finished request. The per-request features (``prompt_tokens`` ...)
+        are for per-request models (``qlm.length_forest.ForestLengthModel``); this per-group
+        fit ignores them."""
         if output_tokens < 0:
             raise ValueError("output_tokens must be >= 0")
         key = (model, slo_class)
@@ -252,9 +265,17 @@ class OutputLengthModel:
         return self._prior
 
     def predict(
-        self, model: str, slo_class: str | None, max_tokens: np.ndarray
+        self,
+        model: str,
+        slo_class: str | None,
+        max_tokens: np.ndarray,
+        *,
+        prompt_tokens: np.ndarray | None = None,
+        tenants: Sequence[str | None] | None = None,
+        tasks: Sequence[str | None] | None = None,
     ) -> tuple[np.ndarray, np.ndarray]:
-        """(mean, variance) of the output tokens of requests of one key, per ``max_tokens``."""
+        """(mean, variance) of the output tokens of requests of one key, per ``max_tokens``.
+        Per-request features are ignored here (see :meth:`observe`)."""
         cap = np.maximum(np.asarray(max_tokens, dtype=np.float64), 1.0)
         key = (model, slo_class)
         hist = self._history.get(key)

@@ -159,9 +159,19 @@ class QueuePolicy(ABC):
         simulated completions. Empty for policies that make no estimate."""
         return {}
 
-    def observe_completion(self, model: str, slo_class: str | None, output_tokens: int) -> None:
+    def observe_completion(
+        self,
+        model: str,
+        slo_class: str | None,
+        output_tokens: int,
+        *,
+        prompt_tokens: int | None = None,
+        max_tokens: int | None = None,
+        tenant: str | None = None,
+    ) -> None:
         """A request finished with ``output_tokens`` tokens: policies that profile the workload
-        learn from it (the stochastic planner's output-length model). Default: ignored."""
+        learn from it (the stochastic planner's output-length model; with the per-request
+        features, its length forest). Default: ignored."""
         return None
 
     def place(

@@ -589,7 +589,12 @@ class Coordinator:
         self.metrics.observe_slo(t.request.slo.slo_class or "default", outcome.met)
         # the planner's output-length model learns from what requests really produced
         self.core.policy.observe_completion(
-            t.request.model, t.request.slo.slo_class, len(c.output_token_ids)
+            t.request.model,
+            t.request.slo.slo_class,
+            len(c.output_token_ids),
+            prompt_tokens=t.plan_view.prompt_tokens,
+            max_tokens=t.request.max_tokens,
+            tenant=t.request.tenant,
         )
         if t.dispatched_at is not None:
             self.metrics.observe_dispatch_latency(max(0.0, c.started_at - t.dispatched_at))

@@ -508,7 +508,13 @@ class ClusterSimulator:
     def _on_finish(self, job: SimJob, now: float) -> None:
         self.finished += 1
         self.last_finish = max(self.last_finish, now)
-        self.policy.observe_completion(job.req.model, job.req.slo_class, job.generated)
+        self.policy.observe_completion(
+            job.req.model,
+            job.req.slo_class,
+            job.generated,
+            prompt_tokens=job.req.prompt_tokens,
+            max_tokens=job.req.max_tokens,
+        )
 
     # ------------------------------------------------------------------ planning
     def _maybe_replan(self) -> None:
