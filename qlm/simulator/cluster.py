@@ -38,6 +38,7 @@ import structlog
 from qlm.admission import SLOAdmissionGate, required_speed
 from qlm.engine_model import EngineProfile, get_profile
 from qlm.policy import Plan, PlanRequest, QueuePolicy
+from qlm.service_gain import service_gain
 from qlm.simulator.instance import SimInstance, SimJob
 from qlm.simulator.workload import SimRequest
 from qlm.virtual_queue import VirtualQueue
@@ -107,6 +108,7 @@ class RequestOutcome:
     evictions: int
     preemptions: int
     estimated_finish_s: float | None = None
+    service_gain: float = 0.0  # Tempo's effective service gain (qlm.service_gain)
 
 
 @dataclass
@@ -142,6 +144,7 @@ class SimResult:
             },
             "throughput_rps": len(done) / span if done else 0.0,
             "goodput_rps": met / span if done else 0.0,
+            "service_gain": round(sum(o.service_gain for o in self.outcomes), 1),
             "gpu_utilisation": sum(i["busy_s"] for i in inst) / total_time,
             "kv_utilisation": sum(i["kv_token_s"] for i in inst)
             / (sum(i["kv_capacity"] * i["time_s"] for i in inst) or float("nan")),
@@ -158,6 +161,10 @@ class SimResult:
             "planner_wall_s": round(self.planner_wall_s, 3),
             "sim_wall_s": round(self.wall_s, 2),
         }
+
+
+def _since(t: float | None, start: float) -> float | None:
+    return None if t is None else t - start
 
 
 def _quantile(sorted_values: Sequence[float], q: float) -> float | None:
@@ -633,6 +640,14 @@ class ClusterSimulator:
                     evictions=job.evictions,
                     preemptions=job.preemptions,
                     estimated_finish_s=self._estimates.get(req.request_id),
+                    service_gain=service_gain(
+                        req.prompt_tokens,
+                        req.output_tokens,
+                        ttft_s=_since(job.first_token_s, req.arrival_s),
+                        e2e_s=_since(job.finished_s, req.arrival_s),
+                        e2e_slo_s=req.e2e_slo_s,
+                        ttft_slo_s=req.ttft_slo_s,
+                    ),
                 )
             )
         # requests that never arrived before the end still count (as missed)

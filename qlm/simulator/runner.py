@@ -36,6 +36,7 @@ SUMMARY_METRICS = (
     "slo_attainment",
     "throughput_rps",
     "goodput_rps",
+    "service_gain",
     "gpu_utilisation",
     "kv_utilisation",
     "model_swaps",
