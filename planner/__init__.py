@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 from planner.balancing import RandomPolicy, RoundRobinPolicy
 from planner.baselines import EDFPolicy, FCFSPolicy
+from planner.gain_density import GainDensityPolicy
 from planner.shepherd import SHEPHERDPolicy
 from planner.stochastic import QLMPolicy
 from qlm.policy import QueuePolicy
@@ -20,6 +21,7 @@ POLICIES: dict[str, Callable[[], QueuePolicy]] = {
     "round_robin": RoundRobinPolicy,
     "random": RandomPolicy,
     "qlm": QLMPolicy,
+    "gain_density": GainDensityPolicy,
 }
 
 
@@ -34,6 +36,7 @@ __all__ = [
     "POLICIES",
     "EDFPolicy",
     "FCFSPolicy",
+    "GainDensityPolicy",
     "QLMPolicy",
     "RandomPolicy",
     "RoundRobinPolicy",

@@ -187,7 +187,40 @@ def check_saber(summary: Mapping[str, Any], from_rate: float = 5.0) -> list[Chec
     return out
 
 
+def check_mixed(summary: Mapping[str, Any], overload_from: float = 14.0) -> list[Check]:
+    """Tempo's claims against FCFS, for gain_density at the overload points: service gain >=
+    1.3x and SLO goodput >= 4x; throughput >= 96 % of the best baseline's (edf, fcfs)."""
+    out: list[Check] = []
+    ours = {k: _series(summary, "gain_density", k) for k in ("service_gain", "goodput_rps")}
+    fcfs = {k: _series(summary, "fcfs", k) for k in ("service_gain", "goodput_rps")}
+    tput = _series(summary, "gain_density", "throughput_rps")
+    base_tput = [_series(summary, p, "throughput_rps") for p in ("edf", "fcfs")]
+    for k, label in enumerate(_labels(summary)):
+        if k >= len(tput) or float(label) < overload_from:
+            continue
+        for key, factor in (("service_gain", 1.3), ("goodput_rps", 4.0)):
+            mine, theirs = ours[key][k], fcfs[key][k]
+            ratio = mine / theirs if theirs else float("inf")
+            out.append(
+                (
+                    f"{label} req/s: gain_density {key} >= {factor:g}x fcfs",
+                    f"{mine:.4g} vs {theirs:.4g} ({ratio:.2f}x)",
+                    ratio >= factor,
+                )
+            )
+        best = max(b[k] for b in base_tput if len(b) > k)
+        out.append(
+            (
+                f"{label} req/s: gain_density throughput >= 96 % of the best baseline",
+                f"{tput[k]:.3f} vs {best:.3f} req/s",
+                tput[k] >= 0.96 * best,
+            )
+        )
+    return out
+
+
 CHECKS: dict[str, Checker] = {
+    "mixed": check_mixed,
     "wb": check_wb,
     "wa": check_wa,
     "hetero": check_hetero,
