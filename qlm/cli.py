@@ -114,6 +114,7 @@ async def _run_coordinator(s: Settings, policy_name: str, shards: int, admin_por
         heartbeat_timeout_s=s.heartbeat_timeout_s,
         lso=LSOSettings(eviction=s.lso_eviction, warm_start=s.lso_warm_start),
         limits=AdmissionLimits(s.max_queued, s.max_queued_per_tenant, dict(s.tenant_limits)),
+        late_task_rule=s.late_task_rule,
     )
     await coord.start()
     api = create_admin_app(

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
-from typing import Annotated, Self
+from typing import Annotated, Literal, Self
 from urllib.parse import unquote, urlsplit
 
 from pydantic import Field, SecretStr, field_validator, model_validator
@@ -46,6 +46,9 @@ class Settings(BaseSettings):
     # every request of that tenant
     tenant_limits: dict[str, Annotated[int, Field(ge=0)]] = Field(default_factory=dict)
     models_file: str | None = None
+    # a task-chain call that arrives after its derived deadline: "promote" it (CATO: keep the
+    # passed deadline, top priority) or "demote" it to best effort (SABER); qlm/chains.py
+    late_task_rule: Literal["promote", "demote"] = "promote"
     log_level: str = "info"
     log_format: str = Field(default="json", pattern="^(json|console)$")
 

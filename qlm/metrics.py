@@ -91,6 +91,12 @@ class CoordinatorMetrics:
             ["slo_class", "met"],
             registry=r,
         )
+        self._tasks = Counter(
+            f"{namespace}_tasks",
+            "Task chains ended (their last call answered), by whether the task met its SLA",
+            ["met"],
+            registry=r,
+        )
         self._dispatch_latency = Histogram(
             f"{namespace}_dispatch_latency_seconds",
             "Broker delivery to engine start",
@@ -209,6 +215,9 @@ class CoordinatorMetrics:
         if child is None:
             raise ValueError(f"unknown outcome {outcome!r}; expected one of {sorted(OUTCOMES)}")
         child.inc()
+
+    def observe_task(self, met: bool) -> None:
+        self._tasks.labels(met="true" if met else "false").inc()
 
     def observe_slo(self, slo_class: str | None, met: bool) -> None:
         label = slo_class or DEFAULT_SLO_CLASS

@@ -68,16 +68,29 @@ class SLO(_Strict):
     def _one_deadline(self) -> SLO:
         if self.e2e_ms is None and self.ttft_ms is None:
             raise ValueError("slo needs e2e_ms and/or ttft_ms")
+        if self.e2e_ms is not None and self.ttft_ms is not None and self.ttft_ms > self.e2e_ms:
+            raise ValueError(
+                "slo.ttft_ms is longer than slo.e2e_ms: the first token cannot be due after "
+                "the last"
+            )
         return self
 
 
 class TaskInfo(_Strict):
-    """Reserved for multi-call task chains (CATO); accepted and stored, not yet interpreted."""
+    """The call's place in a multi-call task chain (CATO; qlm/chains.py): its deadline is the
+    task's SLA, counted from the task's start, less the expected time of the later steps."""
 
     task_id: str = Field(min_length=1, max_length=128)
     step: int = Field(default=0, ge=0)
-    task_slo_ms: int | None = Field(default=None, gt=0)
-    task_started_at: float | None = None
+    task_slo_ms: int | None = Field(
+        default=None, gt=0, description="the whole task's SLA; absent: the call keeps its own SLO"
+    )
+    task_started_at: float | None = Field(
+        default=None, gt=0, description="unix s the task started; absent: this call's submission"
+    )
+    remaining_ms: int | None = Field(
+        default=None, ge=0, description="expected time of the steps after this one; 0: last step"
+    )
 
 
 class RequestMessage(_Strict):
@@ -154,6 +167,9 @@ class SLOOutcome(_Strict):
     ttft_met: bool | None = None
     e2e_ms: float | None = None
     ttft_ms: float | None = None
+    # a step of a task chain: e2e_met is judged against its derived deadline; the last step
+    # (remaining_ms 0 or absent) also says whether the whole task met its SLA
+    task_met: bool | None = None
 
 
 class ResultMessage(_Strict):

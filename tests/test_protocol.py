@@ -146,11 +146,10 @@ def slos(draw: st.DrawFn) -> SLO:
     e2e, ttft = draw(
         st.sampled_from([(True, False), (False, True), (True, True)]),
     )
-    return SLO(
-        e2e_ms=draw(st.integers(1, 10**7)) if e2e else None,
-        ttft_ms=draw(st.integers(1, 10**7)) if ttft else None,
-        slo_class=draw(st.none() | texts(max_size=64)),
-    )
+    e2e_ms = draw(st.integers(1, 10**7)) if e2e else None
+    # the first token is never due after the last
+    ttft_ms = draw(st.integers(1, e2e_ms or 10**7)) if ttft else None
+    return SLO(e2e_ms=e2e_ms, ttft_ms=ttft_ms, slo_class=draw(st.none() | texts(max_size=64)))
 
 
 sampling_params = st.builds(
@@ -168,7 +167,8 @@ task_infos = st.builds(
     task_id=texts(1, 128),
     step=st.integers(0, 1000),
     task_slo_ms=st.none() | st.integers(1, 10**8),
-    task_started_at=st.none() | finite(0, 2e9),
+    task_started_at=st.none() | finite(0, 2e9, exclude_min=True),
+    remaining_ms=st.none() | st.integers(0, 10**8),
 )
 
 chat_messages = st.builds(
@@ -320,6 +320,9 @@ BAD: dict[str, dict[str, Any]] = {
     "no slo deadline": {**GOOD, "slo": {}},
     "null slo deadlines": {**GOOD, "slo": {"e2e_ms": None, "ttft_ms": None, "slo_class": "x"}},
     "zero deadline": {**GOOD, "slo": {"e2e_ms": 0}},
+    "task without an id": {**GOOD, "task": {"task_slo_ms": 1000}},
+    "negative remaining time": {**GOOD, "task": {"task_id": "t", "remaining_ms": -1}},
+    "task started at 0": {**GOOD, "task": {"task_id": "t", "task_started_at": 0}},
     "model is a number": {**GOOD, "model": 7},
     "prompt is a list": {**GOOD, "prompt": ["Hello"]},
     "max_tokens is a word": {**GOOD, "max_tokens": "many"},
@@ -349,6 +352,15 @@ BAD: dict[str, dict[str, Any]] = {
 def test_the_good_example_passes_both() -> None:
     assert schema_accepts(GOOD)
     assert pydantic_accepts(json.dumps(GOOD).encode())
+
+
+def test_a_ttft_deadline_after_the_e2e_deadline_is_refused() -> None:
+    # JSON Schema cannot compare two fields: producers' validators let it through, the
+    # coordinator's refuses it (schema_violation), as docs/protocol.md says
+    doc = {**GOOD, "slo": {"e2e_ms": 1000, "ttft_ms": 2000}}
+    with pytest.raises(PydanticValidationError, match="ttft_ms is longer"):
+        RequestMessage.model_validate(doc)
+    RequestMessage.model_validate({**GOOD, "slo": {"e2e_ms": 2000, "ttft_ms": 2000}})
 
 
 @pytest.mark.parametrize("name", sorted(BAD))

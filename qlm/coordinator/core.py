@@ -28,6 +28,7 @@ from typing import Any
 
 import structlog
 
+from qlm.chains import CallDeadlines, LateTaskRule, call_deadlines
 from qlm.control import Completion, Evicted, Heartbeat, InstanceInfo, InstanceStatus
 from qlm.policy import Plan, PlanInstance, PlanRequest, QueuePolicy
 from qlm.types import RequestMessage
@@ -71,6 +72,8 @@ class TrackedRequest:
     # report's arrival); the reply's TTFT uses it, a conservative bound
     first_token_at: float | None = None
     evict_requested: str | None = None  # dispatch id an Evict was sent for (sent once)
+    # a step of a task chain: its derived deadlines (qlm/chains.py); None for a lone call
+    chain: CallDeadlines | None = None
 
     def reply_targets(self) -> list[tuple[str, str | None]]:
         """Distinct (reply_to, correlation_id) pairs to answer: one reply each."""
@@ -205,8 +208,10 @@ class CoordinatorCore:
         clock: Any = time.time,
         lso: LSOSettings | None = None,
         limits: AdmissionLimits | None = None,
+        late_task_rule: LateTaskRule = "promote",
     ) -> None:
         self.policy = policy
+        self.late_task_rule = late_task_rule
         self.lso = lso or LSOSettings()
         self.limits = limits or AdmissionLimits()
         self.tenant_counts: dict[str, int] = {}
@@ -267,15 +272,19 @@ class CoordinatorCore:
         self._seq += 1
         submitted = request.submitted_at or received_at
         slo = request.slo
+        # a step of a task chain gets its deadline from the task's (qlm/chains.py)
+        due = call_deadlines(request, submitted, self.late_task_rule)
+        if due.late:
+            log.info("late_task_call", request_id=rid, rule=self.late_task_rule)
         view = PlanRequest(
             request_id=rid,
             model=request.model,
             prompt_tokens=request.prompt_tokens(),
             max_tokens=request.max_tokens,
             arrival_time=submitted,
-            deadline=submitted + slo.e2e_ms / 1000 if slo.e2e_ms else None,
-            ttft_deadline=submitted + slo.ttft_ms / 1000 if slo.ttft_ms else None,
-            priority=request.priority,
+            deadline=due.deadline,
+            ttft_deadline=due.ttft_deadline,
+            priority=due.priority,
             slo_class=slo.slo_class,
             seq=self._seq,
         )
@@ -288,6 +297,7 @@ class CoordinatorCore:
             queued_at=received_at,
             seq=self._seq,
             plan_view=view,
+            chain=due if due.task_deadline is not None else None,
         )
         self.requests[rid] = tracked
         self._place(tracked, received_at)

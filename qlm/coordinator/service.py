@@ -27,6 +27,7 @@ from pydantic import ValidationError
 
 from qlm import amqp as qlm_amqp
 from qlm.catalog import ModelCatalog
+from qlm.chains import LateTaskRule, is_last_step
 from qlm.control import (
     Completion,
     Dispatch,
@@ -91,11 +92,23 @@ def slo_outcome(t: TrackedRequest, first_token_at: float | None, finished_at: fl
     e2e_ms = (finished_at - t.submitted_at) * 1000
     ttft_ms = (first_token_at - t.submitted_at) * 1000 if first_token_at is not None else None
     e2e_met = None if slo.e2e_ms is None else e2e_ms <= slo.e2e_ms
+    task_met = None
+    if t.chain is not None and t.chain.judged_deadline is not None:
+        e2e_met = finished_at <= t.chain.judged_deadline
+        if is_last_step(t.request) and t.chain.task_deadline is not None:
+            task_met = finished_at <= t.chain.task_deadline
     ttft_met = None
     if slo.ttft_ms is not None:
         ttft_met = ttft_ms is not None and ttft_ms <= slo.ttft_ms
     met = all(x for x in (e2e_met, ttft_met) if x is not None)
-    return SLOOutcome(met=met, e2e_met=e2e_met, ttft_met=ttft_met, e2e_ms=e2e_ms, ttft_ms=ttft_ms)
+    return SLOOutcome(
+        met=met,
+        e2e_met=e2e_met,
+        ttft_met=ttft_met,
+        e2e_ms=e2e_ms,
+        ttft_ms=ttft_ms,
+        task_met=task_met,
+    )
 
 
 # How long a reply whose confirm was lost keeps being published again (after reconnects)
@@ -120,6 +133,7 @@ class Coordinator:
         metrics: CoordinatorMetrics | None = None,
         lso: LSOSettings | None = None,
         limits: AdmissionLimits | None = None,
+        late_task_rule: LateTaskRule = "promote",
     ) -> None:
         self.amqp_url = amqp_url
         self.store = store
@@ -130,7 +144,11 @@ class Coordinator:
         self.max_body_bytes = max_body_bytes
         self.liveness_interval_s = liveness_interval_s
         self.core = CoordinatorCore(
-            policy, heartbeat_timeout_s=heartbeat_timeout_s, lso=lso, limits=limits
+            policy,
+            heartbeat_timeout_s=heartbeat_timeout_s,
+            lso=lso,
+            limits=limits,
+            late_task_rule=late_task_rule,
         )
         self.metrics = metrics or CoordinatorMetrics()
         self._conn: AbstractRobustConnection | None = None
@@ -587,6 +605,8 @@ class Coordinator:
         )
         self.metrics.observe_outcome("completed")
         self.metrics.observe_slo(t.request.slo.slo_class or "default", outcome.met)
+        if outcome.task_met is not None:
+            self.metrics.observe_task(outcome.task_met)
         # the planner's output-length model learns from what requests really produced
         self.core.policy.observe_completion(
             t.request.model,
