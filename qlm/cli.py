@@ -70,7 +70,8 @@ def coordinator(
     policy: Annotated[
         str | None,
         typer.Option(
-            help="qlm | edf | fcfs | shepherd | round_robin | random (default: QLM_POLICY, qlm)"
+            help="qlm | edf | fcfs | gain_density | shepherd | round_robin | random "
+            "(default: QLM_POLICY, qlm)"
         ),
     ] = None,
     shards: Annotated[int | None, typer.Option(help="global queue shards (QLM_SHARDS)")] = None,
