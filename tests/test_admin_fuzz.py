@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import schemathesis
 from hypothesis import HealthCheck, settings
+from schemathesis.specs.openapi.checks import negative_data_rejection
 
 from qlm.admin import create_admin_app
 from qlm.metrics import CoordinatorMetrics
@@ -25,4 +26,7 @@ schema = schemathesis.openapi.from_asgi("/openapi.json", app)
 def test_admin_api_conforms_to_its_openapi_document(case: schemathesis.Case) -> None:
     for token in (ADMIN, READ, None, "wrong"):
         headers = {} if token is None else {"Authorization": f"Bearer {token}"}
-        case.call_and_validate(headers=headers)
+        # negative_data_rejection is left out: it expects unknown query parameters to be
+        # refused (the API ignores them, as HTTP APIs commonly do) and cannot know that this
+        # test sets the Authorization header itself. Every other check runs.
+        case.call_and_validate(headers=headers, excluded_checks=[negative_data_rejection])
