@@ -142,6 +142,7 @@ async def publish_confirmed(
     routing_key: str,
     *,
     within_s: float,
+    mandatory: bool = True,
 ) -> None:
     """Publish ``message`` on a publisher-confirms channel and return once confirmed.
 
@@ -155,7 +156,7 @@ async def publish_confirmed(
     retries = 0
     while True:
         try:
-            await exchange.publish(message, routing_key=routing_key)
+            await exchange.publish(message, routing_key=routing_key, mandatory=mandatory)
             return
         except aiormq.exceptions.PublishError:
             raise

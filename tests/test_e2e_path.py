@@ -139,3 +139,44 @@ async def test_qlm_policy_serves_everything_and_replans(
     assert summary["lso"] is not None
     assert sorted(r.request_id for r in replies) == sorted(r.request_id for r in reqs)
     assert all(isinstance(r, ResultMessage) for r in replies)
+
+
+async def test_a_producer_whose_reply_queue_is_gone_is_served_once(
+    isolated_amqp_url: str, tmp_path: Path
+) -> None:
+    """The reply is published without `mandatory`: a vanished reply queue loses the reply,
+    and the request is still settled once - never returned, failed and run again."""
+    import aio_pika
+
+    from qlm.topology import INGRESS_EXCHANGE
+
+    agents = [dict(TWO_AGENTS[0], models=["mistral-7b"])]
+    req = requests(1, "gone", models=("mistral-7b",))[0]
+    async with running_cluster(isolated_amqp_url, tmp_path, agents) as cluster:
+        async with await aio_pika.connect(isolated_amqp_url) as conn:
+            ch = await conn.channel(publisher_confirms=True)
+            ingress = await ch.get_exchange(INGRESS_EXCHANGE, ensure=True)
+            await ingress.publish(
+                aio_pika.Message(
+                    req.model_dump_json().encode(),
+                    content_type="application/json",
+                    message_id=req.request_id,
+                    correlation_id=req.request_id,
+                    reply_to="qlm.reply.nobody-listens",
+                    delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+                ),
+                routing_key=req.request_id,
+            )
+        db = cluster.database_url
+        record: dict[str, object] = {}
+        for _ in range(100):
+            await asyncio.sleep(0.2)
+            record = await store_record(db, req.request_id)
+            if record.get("status") == "completed":
+                break
+        await asyncio.sleep(1.0)  # a second run, if any, would show by now
+        record = await store_record(db, req.request_id)
+        log = cluster.logs("coordinator")
+    assert record["status"] == "completed", record
+    assert record["attempts"] == 1, record
+    assert "reply_failed" not in log

@@ -400,13 +400,13 @@ class Coordinator:
             headers={REPLY_ID_HEADER: uuid.uuid4().hex},
             delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
         )
-        # mandatory=False (the default): a producer that went away loses its reply, nothing else
         await qlm_amqp.publish_confirmed(
             self._conn,
             self._pub.default_exchange,
             message,
             reply_to,
             within_s=republish_within_s,
+            mandatory=False,  # a producer that went away loses its reply, nothing else
         )
 
     # ------------------------------------------------------------------ dispatch
