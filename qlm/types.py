@@ -60,6 +60,11 @@ class SLO(_Strict):
 
     e2e_ms: int | None = Field(default=None, gt=0, description="end-to-end deadline (last token)")
     ttft_ms: int | None = Field(default=None, gt=0, description="time-to-first-token deadline")
+    tbt_ms: int | None = Field(
+        default=None,
+        gt=0,
+        description="streaming: mean time between output tokens (after the first) at most this",
+    )
     slo_class: str | None = Field(
         default=None, max_length=64, description="free-form class label used in metrics"
     )
@@ -167,6 +172,8 @@ class SLOOutcome(_Strict):
     ttft_met: bool | None = None
     e2e_ms: float | None = None
     ttft_ms: float | None = None
+    tbt_met: bool | None = None  # null when slo.tbt_ms was not set (or one token only)
+    tbt_ms: float | None = None  # measured mean time between output tokens
     # a step of a task chain: e2e_met is judged against its derived deadline; the last step
     # (remaining_ms 0 or absent) also says whether the whole task met its SLA
     task_met: bool | None = None

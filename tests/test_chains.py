@@ -27,6 +27,7 @@ def call(
     *,
     e2e_ms: int | None = 60_000,
     ttft_ms: int | None = None,
+    tbt_ms: int | None = None,
     task: TaskInfo | None = None,
     max_tokens: int = 16,
 ) -> RequestMessage:
@@ -35,7 +36,7 @@ def call(
         model="mistral-7b",
         prompt_token_ids=list(range(1, 33)),
         max_tokens=max_tokens,
-        slo=SLO(e2e_ms=e2e_ms, ttft_ms=ttft_ms),
+        slo=SLO(e2e_ms=e2e_ms, ttft_ms=ttft_ms, tbt_ms=tbt_ms),
         task=task,
     )
 
@@ -88,6 +89,22 @@ def test_edf_serves_a_chain_step_by_its_derived_deadline() -> None:
     assert [o.tracked.request_id for o in core.next_dispatches(NOW)] == ["step", "lone"]
 
 
+def test_streaming_requests_are_judged_on_their_mean_time_between_tokens() -> None:
+    from qlm.coordinator.service import slo_outcome
+
+    core = CoordinatorCore(create_policy("edf"), heartbeat_timeout_s=3.0)
+    r = call("s", e2e_ms=None, ttft_ms=2_000, tbt_ms=100)
+    t, _ = core.admit(r, object(), reply_to="q", correlation_id="s", received_at=NOW)
+    assert t is not None
+    # first token after 1 s, then 11 more over 0.55 s: 50 ms apart
+    ok = slo_outcome(t, NOW + 1.0, NOW + 1.55, output_tokens=12)
+    assert ok.met and ok.ttft_met and ok.tbt_met and ok.tbt_ms == pytest.approx(50.0)
+    # a 2-s stall mid-stream (an eviction) makes the mean 232 ms: missed
+    slow = slo_outcome(t, NOW + 1.0, NOW + 3.55, output_tokens=12)
+    assert slow.ttft_met and slow.tbt_met is False and not slow.met
+    assert slo_outcome(t, NOW + 1.0, NOW + 1.0, output_tokens=1).tbt_met is None
+
+
 # ---------------------------------------------------------------------------- end to end
 
 
@@ -97,7 +114,7 @@ async def test_ttft_classes_and_chains_end_to_end(isolated_amqp_url: str, tmp_pa
     agents = [{"agent_id": "ch-a", "models": ["mistral-7b"], "time_scale": 20.0}]
     now = time.time()
     reqs = {
-        "ttft": call("ttft", e2e_ms=None, ttft_ms=30_000),
+        "ttft": call("ttft", e2e_ms=None, ttft_ms=30_000, tbt_ms=10_000),
         "step0": call(
             "step0",
             e2e_ms=None,
@@ -132,6 +149,7 @@ async def test_ttft_classes_and_chains_end_to_end(isolated_amqp_url: str, tmp_pa
         assert isinstance(reply, ResultMessage)
     ttft = replies["ttft"].slo
     assert ttft.met and ttft.ttft_met and ttft.e2e_met is None and ttft.task_met is None
+    assert ttft.tbt_met and ttft.tbt_ms is not None and ttft.tbt_ms > 0
     assert replies["step0"].slo.e2e_met and replies["step0"].slo.task_met is None
     assert replies["step1"].slo.task_met is True  # the last step ends the task in time
     late = replies["late"].slo

@@ -87,7 +87,12 @@ def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value or "")
 
 
-def slo_outcome(t: TrackedRequest, first_token_at: float | None, finished_at: float) -> SLOOutcome:
+def slo_outcome(
+    t: TrackedRequest,
+    first_token_at: float | None,
+    finished_at: float,
+    output_tokens: int = 0,
+) -> SLOOutcome:
     slo = t.request.slo
     e2e_ms = (finished_at - t.submitted_at) * 1000
     ttft_ms = (first_token_at - t.submitted_at) * 1000 if first_token_at is not None else None
@@ -100,13 +105,21 @@ def slo_outcome(t: TrackedRequest, first_token_at: float | None, finished_at: fl
     ttft_met = None
     if slo.ttft_ms is not None:
         ttft_met = ttft_ms is not None and ttft_ms <= slo.ttft_ms
-    met = all(x for x in (e2e_met, ttft_met) if x is not None)
+    # streaming: the mean gap between tokens after the first (a stall from an eviction counts)
+    tbt_ms = tbt_met = None
+    if first_token_at is not None and output_tokens > 1:
+        tbt_ms = (finished_at - first_token_at) * 1000 / (output_tokens - 1)
+        if slo.tbt_ms is not None:
+            tbt_met = tbt_ms <= slo.tbt_ms
+    met = all(x for x in (e2e_met, ttft_met, tbt_met) if x is not None)
     return SLOOutcome(
         met=met,
         e2e_met=e2e_met,
         ttft_met=ttft_met,
         e2e_ms=e2e_ms,
         ttft_ms=ttft_ms,
+        tbt_met=tbt_met,
+        tbt_ms=tbt_ms,
         task_met=task_met,
     )
 
@@ -570,7 +583,7 @@ class Coordinator:
         first_token_at = c.first_token_at
         if t.first_token_at is not None:  # an evicted attempt produced the first tokens
             first_token_at = min(first_token_at or t.first_token_at, t.first_token_at)
-        outcome = slo_outcome(t, first_token_at, c.finished_at)
+        outcome = slo_outcome(t, first_token_at, c.finished_at, len(c.output_token_ids))
         result = ResultMessage(
             request_id=t.request_id,
             model=t.request.model,
