@@ -276,10 +276,38 @@ class Coordinator:
             await handler(message)
         except Exception:
             log.exception("handler_failed", message_id=message.message_id, requeue=requeue_on_error)
+            if requeue_on_error and self._last_delivery(message):
+                await self._reply_delivery_limit(message)
             # Requeue for a global-queue message: the quorum delivery limit dead-letters a
             # message that keeps failing. A broken control message is dropped.
             with contextlib.suppress(Exception):
                 await message.nack(requeue=requeue_on_error)
+
+    def _last_delivery(self, message: AbstractIncomingMessage) -> bool:
+        """Whether returning this delivery makes the quorum queue dead-letter it: the broker
+        counts returns in ``x-delivery-count`` (absent on the first delivery) and dead-letters
+        at the return after delivery number ``delivery_limit + 1``."""
+        count = (message.headers or {}).get("x-delivery-count") or 0
+        return isinstance(count, int) and count >= self.delivery_limit
+
+    async def _reply_delivery_limit(self, message: AbstractIncomingMessage) -> None:
+        """The producer of a message that failed every time gets an error reply before the
+        broker dead-letters it (best effort: the dead letter keeps the message either way)."""
+        if not message.reply_to:
+            return
+        rid = message.message_id if isinstance(message.message_id, str) else None
+        err = ErrorMessage(
+            request_id=rid,
+            code=ErrorCode.DELIVERY_LIMIT,
+            message=(
+                f"the coordinator failed to handle this message {self.delivery_limit + 1} "
+                "times; it is dead-lettered to qlm.dead (x-death reason delivery_limit)"
+            ),
+        )
+        try:
+            await self._reply(message.reply_to, message.correlation_id or rid, err)
+        except Exception as exc:
+            log.warning("delivery_limit_reply_failed", message_id=rid, error=repr(exc)[:200])
 
     # ------------------------------------------------------------------ ingest
     async def _on_request(self, message: AbstractIncomingMessage) -> None:
