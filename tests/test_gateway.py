@@ -173,7 +173,11 @@ async def test_chat_with_slo_from_header_and_body(stack: Stack) -> None:
                 {"role": "user", "content": [{"type": "text", "text": "Hi!"}]},
             ],
             max_completion_tokens=4,
-            extra_headers={"x-qlm-slo-ms": "12000", "x-qlm-slo-class": "header-class"},
+            extra_headers={
+                "x-qlm-slo-ms": "12000",
+                "x-qlm-slo-class": "header-class",
+                "x-qlm-tbt-ms": "5000",
+            },
             extra_body={"qlm_ttft_ms": 800, "qlm_slo_class": "interactive", "qlm_priority": 3},
         )
     assert resp.object == "chat.completion"
@@ -186,6 +190,8 @@ async def test_chat_with_slo_from_header_and_body(stack: Stack) -> None:
     assert record["ttft_deadline"] - record["submitted_at"] == pytest.approx(0.8, abs=1e-3)
     assert record["slo_class"] == "interactive"  # the body field wins over the header
     assert record["priority"] == 3
+    qlm_info = (resp.model_extra or {})["qlm"]
+    assert qlm_info["tbt_ms"] is not None and qlm_info["slo_met"]  # 4 tokens, 5 s apart at most
 
 
 @pytest.mark.broker

@@ -378,11 +378,12 @@ class _Gateway:
         the whole answer."""
         e2e = body.qlm_slo_ms or _header_int(request, "x-qlm-slo-ms")
         ttft = body.qlm_ttft_ms or _header_int(request, "x-qlm-ttft-ms")
+        tbt = body.qlm_tbt_ms or _header_int(request, "x-qlm-tbt-ms")
         slo_class = body.qlm_slo_class or request.headers.get("x-qlm-slo-class")
         if e2e is None and ttft is None:
             e2e, ttft = self.settings.default_slo_ms, self.settings.default_ttft_ms
         try:
-            return SLO(e2e_ms=e2e, ttft_ms=ttft, slo_class=slo_class)
+            return SLO(e2e_ms=e2e, ttft_ms=ttft, tbt_ms=tbt, slo_class=slo_class)
         except ValidationError as exc:
             raise _validation_error(exc) from None
 
@@ -538,6 +539,7 @@ def _info(result: ResultMessage) -> QlmInfo:
         slo_met=result.slo.met,
         e2e_ms=result.slo.e2e_ms,
         ttft_ms=result.slo.ttft_ms,
+        tbt_ms=result.slo.tbt_ms,
         queue_ms=queue_ms,
     )
 

@@ -83,6 +83,7 @@ class _Request(BaseModel):
     # (x-qlm-slo-ms, ...); a body field wins over its header.
     qlm_slo_ms: _SLO_MS | None = None
     qlm_ttft_ms: _SLO_MS | None = None
+    qlm_tbt_ms: _SLO_MS | None = None  # streaming: mean time between tokens
     qlm_slo_class: str | None = Field(default=None, max_length=64)
     qlm_priority: int | None = Field(default=None, ge=0, le=9)
     qlm_top_k: int | None = Field(default=None, ge=-1)
@@ -239,6 +240,7 @@ class QlmInfo(_Out):
     slo_met: bool
     e2e_ms: float | None = None
     ttft_ms: float | None = None
+    tbt_ms: float | None = None
     queue_ms: float | None = None
 
 
