@@ -152,8 +152,9 @@ def _credentials(amqp_url: str) -> tuple[str, str]:
 
 def vhost_url(amqp_url: str, vhost: str) -> str:
     """``amqp_url`` pointing at ``vhost`` instead of its own vhost."""
-    parts = urlsplit(amqp_url)
-    return parts._replace(path="/" + quote(vhost, safe="")).geturl()
+    from qlm.amqp import with_vhost
+
+    return with_vhost(amqp_url, vhost)
 
 
 def create_vhost(amqp_url: str, vhost: str) -> str:
