@@ -970,15 +970,29 @@ def bench_sim(
         bool, typer.Option("--dump", help="print the scenario as YAML and exit")
     ] = False,
     progress: Annotated[bool, typer.Option(help="progress bar on stderr")] = True,
+    hours: Annotated[
+        float, typer.Option(min=0.05, help="capacity scenario: simulated hours (a day: 24)")
+    ] = 24.0,
+    peak_rps: Annotated[
+        float, typer.Option(min=0.01, help="capacity scenario: arrival rate at the daily peak")
+    ] = 8.0,
 ) -> None:
     """Every policy on a simulated cluster: SLO attainment, throughput, GPU use, swaps,
-    evictions, p99 latency (docs/simulator.md)."""
+    evictions, p99 latency (docs/simulator.md). The `capacity` scenario compares capacity
+    policies instead (reactive, cato, lt-i, lt-u, lt-ua) on a simulated day: instance-hours,
+    scaling waste, p95 latency, SLO attainment (docs/capacity.md)."""
     from qlm.bench_sim import dump, resolve, run_sim_bench
     from qlm.simulator.presets import PRESETS
 
     if list_:
         for name, named in PRESETS.items():
             typer.echo(f"{name:12} {named.spec().description}")
+        from planner.capacity_sim import capacity_preset
+
+        typer.echo(f"{'capacity':12} {capacity_preset().description}")
+        return
+    if scenario == "capacity" and file is None:
+        _bench_capacity_sim(hours, peak_rps, policies, json_out, out)
         return
     try:
         spec, preset = resolve(scenario, file)
@@ -1014,6 +1028,40 @@ def bench_sim(
         )
     except ScenarioError as e:  # e.g. a malformed trace row, found when building requests
         raise typer.BadParameter(str(e)) from e
+
+
+def _bench_capacity_sim(
+    hours: float, peak_rps: float, policies: str | None, json_out: Path | None, out: Path | None
+) -> None:
+    from planner import create_policy
+    from planner.capacity_sim import (
+        CAPACITY_POLICY_NAMES,
+        capacity_preset,
+        run_capacity_scenario,
+    )
+    from qlm.logging import configure_logging
+    from qlm.simulator.capacity_report import capacity_table, write_capacity_outputs
+
+    names = [p.strip() for p in policies.split(",") if p.strip()] if policies else None
+    unknown = [n for n in names or () if n not in CAPACITY_POLICY_NAMES]
+    if unknown:
+        raise typer.BadParameter(
+            f"unknown capacity policies {unknown}; known: {', '.join(CAPACITY_POLICY_NAMES)}"
+        )
+    configure_logging(os.environ.get("QLM_LOG_LEVEL", "warning"), _settings().log_format, "bench")
+    command = "qlm bench sim " + " ".join(sys.argv[3:]) if len(sys.argv) > 3 else ""
+    summary = run_capacity_scenario(
+        capacity_preset(hours=hours, peak_rps=peak_rps),
+        create_policy,
+        policies=names or CAPACITY_POLICY_NAMES,
+        command=command.strip(),
+        echo=typer.echo,
+    )
+    typer.echo(capacity_table(summary))
+    for check in summary["checks"]:
+        typer.echo(f"[{'met ' if check['met'] else 'MISS'}] {check['target']}: {check['measured']}")
+    for path in write_capacity_outputs(summary, out, json_out):
+        typer.echo(f"wrote {path}")
 
 
 @app.command()

@@ -115,8 +115,9 @@ class QueuePolicy(ABC):
         load: Mapping[str, float],
     ) -> PlanInstance | None:
         """Least queued work, in seconds of the instance's token throughput for this model
-        (so a faster GPU takes proportionally more), among instances that serve the model; an
-        instance whose active model already matches wins ties (it needs no model switch)."""
+        (so a faster GPU takes proportionally more), among instances that serve the model; on
+        a tie (empty queues, when agents pull as fast as work arrives) the one running the
+        fewest requests, then one whose active model already matches (no model switch)."""
         eligible = [i for i in instances if i.serves(request.model)]
         if not eligible:
             return None
@@ -124,6 +125,7 @@ class QueuePolicy(ABC):
             eligible,
             key=lambda i: (
                 load.get(i.instance_id, 0.0) / token_rate(i.gpu_type, request.model),
+                i.running,
                 i.active_model != request.model,
                 i.instance_id,
             ),

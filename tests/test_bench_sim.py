@@ -137,6 +137,7 @@ def test_a_malformed_trace_csv_names_the_row_and_writes_nothing(tmp_path):
     result = runner.invoke(
         app,
         ["bench", "sim", "--file", str(write(tmp_path, data)), "--out", str(out)],
+        env={"COLUMNS": "250"},  # rich wraps the error box to the terminal's width
     )
     assert result.exit_code == 2
     assert "line 3" in result.output or "row" in result.output

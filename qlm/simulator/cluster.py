@@ -31,7 +31,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Protocol
 
 import structlog
 
@@ -124,6 +124,8 @@ class SimResult:
     # SABER runs: instance id -> model -> the USL fit the gate used (runner.simulate fills it)
     speed_fits: dict[str, dict[str, Any]] = field(default_factory=dict)
     demoted: int = 0  # SABER runs: requests moved to a low-priority queue
+    # runs with a capacity controller: instance-hours and the like (ClusterSimulator docs)
+    capacity: dict[str, Any] = field(default_factory=dict)
 
     def metrics(self) -> dict[str, Any]:
         """The summary figures ``qlm bench sim`` reports."""
@@ -137,7 +139,7 @@ class SimResult:
         span = self.makespan_s if self.makespan_s > 0 else float("nan")
         inst = self.instances.values()
         total_time = sum(i["time_s"] for i in inst) or float("nan")
-        return {
+        out = {
             "slo_attainment": met / n if n else None,
             "slo_attainment_by_class": {
                 c: sum(v) / len(v) for c, v in sorted(classes.items()) if v
@@ -161,6 +163,14 @@ class SimResult:
             "planner_wall_s": round(self.planner_wall_s, 3),
             "sim_wall_s": round(self.wall_s, 2),
         }
+        if self.capacity:
+            ttfts = sorted(
+                o.first_token_s - o.arrival_s for o in self.outcomes if o.first_token_s is not None
+            )
+            out["p95_latency_s"] = _quantile(latencies, 0.95)
+            out["p95_ttft_s"] = _quantile(ttfts, 0.95)
+            out.update(self.capacity)
+        return out
 
 
 def _since(t: float | None, start: float) -> float | None:
@@ -174,7 +184,30 @@ def _quantile(sorted_values: Sequence[float], q: float) -> float | None:
     return float(sorted_values[k])
 
 
-_ARRIVAL, _STEP, _TICK, _ADOPT = 0, 1, 2, 3
+_ARRIVAL, _STEP, _TICK, _ADOPT, _READY, _CONTROL = 0, 1, 2, 3, 4, 5
+
+
+class CapacityController(Protocol):
+    """Called every ``interval_s`` simulated seconds with the simulator, which it may change
+    through :meth:`ClusterSimulator.add_instance` and :meth:`ClusterSimulator.release_instance`
+    (an autoscaler in the loop: planner/capacity_sim.py)."""
+
+    interval_s: float
+
+    def on_tick(self, sim: ClusterSimulator) -> None: ...
+
+
+@dataclass
+class InstanceLife:
+    """When an instance was asked for, became ready and was released (simulated seconds);
+    the instance is paid for from ``requested_s`` to ``released_s`` (or the end)."""
+
+    spec: InstanceSpec
+    requested_s: float
+    ready_s: float | None = None
+    released_s: float | None = None  # asked to go (a live one drains first)
+    retired_s: float | None = None  # gone: drained, or cancelled while starting
+    initial: bool = False  # part of the cluster at t = 0
 
 
 def instance_profiles(
@@ -213,6 +246,7 @@ class ClusterSimulator:
         config: SimConfig | None = None,
         *,
         progress: Callable[[float], None] | None = None,
+        controller: CapacityController | None = None,
     ) -> None:
         if not instances:
             raise ValueError("a simulated cluster needs at least one instance")
@@ -225,27 +259,21 @@ class ClusterSimulator:
         self._heap: list[tuple[float, int, int, Any, int]] = []
         self._seq = itertools.count()
         self.now = 0.0
-        self.instances: dict[str, SimInstance] = {}
-        cache: dict[tuple[str, str, int | None], EngineProfile] = {}
+        self.instances: dict[str, SimInstance] = {}  # live: placed on, planned over
+        self._profile_cache: dict[tuple[str, str, int | None], EngineProfile] = {}
+        self.lives: dict[str, InstanceLife] = {}
+        self.draining: dict[str, SimInstance] = {}  # released, finishing what they run
+        self.retired: dict[str, SimInstance] = {}
+        self.controller = controller
+        self._finished_log: list[SimJob] = []
         for spec in instances:
-            profiles = instance_profiles(spec, cache)
-            inst = SimInstance(
-                spec.instance_id,
-                spec.gpu_type,
-                list(spec.models),
-                profiles,
-                cpu_memory_bytes=spec.cpu_memory_bytes,
-                schedule=self._schedule_step,
-                on_finish=self._on_finish,
-                warm_start=self.config.lso.warm_start,
-                static_batch=self.config.static_batch,
-                max_decode_run=self.config.max_decode_run,
-            )
+            inst = self._make_instance(spec)
             if self.config.lso.warm_start:
                 inst.set_warm(list(spec.models[1:]), 0.0)
                 for m in inst.warm:
                     inst.warm[m] = 0.0  # a warm cluster: host copies made before the run
             self.instances[spec.instance_id] = inst
+            self.lives[spec.instance_id] = InstanceLife(spec, 0.0, 0.0, initial=True)
         self.queues = {iid: VirtualQueue(iid) for iid in self.instances}
         self.queued_tokens = dict.fromkeys(self.instances, 0.0)
         self.jobs: dict[str, SimJob] = {}
@@ -270,6 +298,22 @@ class ClusterSimulator:
         self.demoted = 0
         if self._saber:
             self._check_speed_models()
+            if controller is not None:
+                raise ValueError("the SABER pull gate does not run with a capacity controller")
+
+    def _make_instance(self, spec: InstanceSpec) -> SimInstance:
+        return SimInstance(
+            spec.instance_id,
+            spec.gpu_type,
+            list(spec.models),
+            instance_profiles(spec, self._profile_cache),
+            cpu_memory_bytes=spec.cpu_memory_bytes,
+            schedule=self._schedule_step,
+            on_finish=self._on_finish,
+            warm_start=self.config.lso.warm_start,
+            static_batch=self.config.static_batch,
+            max_decode_run=self.config.max_decode_run,
+        )
 
     def _check_speed_models(self) -> None:
         served = {r.model for r in self.requests}
@@ -297,6 +341,10 @@ class ClusterSimulator:
         last_arrival = reqs[-1].arrival_s if reqs else 0.0
         end = last_arrival + self.config.drain_s
         self._push(self.config.replan_interval_s, _TICK)
+        if self.controller is not None:
+            if not self.controller.interval_s > 0:
+                raise ValueError("the capacity controller's interval_s must be > 0")
+            self._push(0.0, _CONTROL)
         i = 0
         next_report = 0.0
         while True:
@@ -321,6 +369,13 @@ class ClusterSimulator:
                         self._push(t + self.config.replan_interval_s, _TICK)
                 elif kind == _ADOPT:
                     self._adopt(payload)
+                elif kind == _READY:
+                    self._ready(payload)
+                elif kind == _CONTROL:
+                    assert self.controller is not None
+                    self.controller.on_tick(self)
+                    if i < n or self.finished < n:
+                        self._push(t + self.controller.interval_s, _CONTROL)
             if self._progress is not None and t >= next_report:
                 self._progress(min(1.0, t / end) if end > 0 else 1.0)
                 next_report = t + end / 200
@@ -365,7 +420,9 @@ class ClusterSimulator:
 
     def _feed(self, inst: SimInstance) -> None:
         """The agent's pull: dispatch the head of the virtual queue while the engine wants it."""
-        queue = self.queues[inst.instance_id]
+        queue = self.queues.get(inst.instance_id)
+        if queue is None:
+            return  # draining: it pulls nothing new
         want = inst.wants()
         if self._saber:
             if want > 0:
@@ -511,9 +568,13 @@ class ClusterSimulator:
                     self._feed(self.instances[target])
         self._feed(inst)
         inst.resume(self.now)
+        if inst.instance_id in self.draining and self._idle(inst):
+            self._retire(inst)
 
     def _on_finish(self, job: SimJob, now: float) -> None:
         self.finished += 1
+        if self.controller is not None:
+            self._finished_log.append(job)
         self.last_finish = max(self.last_finish, now)
         self.policy.observe_completion(
             job.req.model,
@@ -522,6 +583,95 @@ class ClusterSimulator:
             prompt_tokens=job.req.prompt_tokens,
             max_tokens=job.req.max_tokens,
         )
+
+    # ------------------------------------------------------------------ capacity changes
+    def add_instance(self, spec: InstanceSpec, ready_in_s: float) -> None:
+        """Ask for a new instance; it joins (is placed on, planned over) ``ready_in_s`` from now
+        - its start-up time - and is paid for from now."""
+        iid = spec.instance_id
+        if iid in self.lives:
+            raise ValueError(f"instance id {iid!r} was already used")
+        if not (math.isfinite(ready_in_s) and ready_in_s >= 0):
+            raise ValueError("ready_in_s must be a finite number ≥ 0")
+        self.lives[iid] = InstanceLife(spec, self.now)
+        self._push(self.now + ready_in_s, _READY, iid)
+
+    def release_instance(self, iid: str) -> None:
+        """Let an instance go: one still starting is cancelled at once; a live one stops taking
+        work (its virtual queue is placed again on the others) and retires once what it runs
+        has finished."""
+        life = self.lives.get(iid)
+        if life is None or life.released_s is not None:
+            raise ValueError(f"no instance {iid!r} to release")
+        life.released_s = self.now
+        inst = self.instances.pop(iid, None)
+        if inst is None:  # still starting
+            life.retired_s = self.now
+            return
+        queue = self.queues.pop(iid)
+        self.queued_tokens.pop(iid, None)
+        self._lpq.pop(iid, None)
+        self.draining[iid] = inst
+        orphans = [self.jobs[rid] for rid in queue.clear()]
+        self.queued_count -= len(orphans)
+        for job in orphans:
+            job.queue_id = None
+        self._rebalance(orphans)
+        if self._idle(inst):
+            self._retire(inst)
+
+    def starting(self) -> list[str]:
+        """Instances asked for that are not ready yet."""
+        return [
+            i for i, life in self.lives.items() if life.ready_s is None and life.retired_s is None
+        ]
+
+    def take_finished(self) -> list[SimJob]:
+        """Requests finished since the last call (kept only with a capacity controller)."""
+        out, self._finished_log = self._finished_log, []
+        return out
+
+    def queued_jobs(self, iid: str) -> list[SimJob]:
+        queue = self.queues.get(iid)
+        return [] if queue is None else [self.jobs[rid] for rid in queue]
+
+    def _ready(self, iid: str) -> None:
+        life = self.lives[iid]
+        if life.retired_s is not None:
+            return  # cancelled while starting
+        life.ready_s = self.now
+        inst = self._make_instance(life.spec)
+        self.instances[iid] = inst
+        self.queues[iid] = VirtualQueue(iid)
+        self.queued_tokens[iid] = 0.0
+        self._lpq[iid] = deque()
+        self._rebalance([])
+
+    @staticmethod
+    def _idle(inst: SimInstance) -> bool:
+        return not inst.running and not inst.waiting and inst.loading is None
+
+    def _retire(self, inst: SimInstance) -> None:
+        iid = inst.instance_id
+        self.draining.pop(iid, None)
+        self.retired[iid] = inst
+        self.lives[iid].retired_s = self.now
+
+    def _rebalance(self, extra: list[SimJob]) -> None:
+        """After the set of live instances changed: every queued request is placed again, in
+        arrival order, so a new instance takes its share of the backlog at once (the live
+        coordinator replans on a membership change for the same reason)."""
+        queued = list(extra) + self.unassigned
+        for iid, q in self.queues.items():
+            queued += [self.jobs[rid] for rid in q.clear()]
+            self.queued_tokens[iid] = 0.0
+        self.unassigned = []
+        self.queued_count = 0
+        for job in sorted(queued, key=lambda j: j.view.seq):
+            self._place(job)
+        for inst in self.instances.values():
+            self._feed(inst)
+            inst.resume(self.now)
 
     # ------------------------------------------------------------------ planning
     def _maybe_replan(self) -> None:
@@ -568,6 +718,8 @@ class ClusterSimulator:
         self.queued_tokens = dict.fromkeys(self.instances, 0.0)
         self.queued_count = 0
         for iid, ids in plan.queues.items():
+            if iid not in self.queues:
+                continue  # released while the plan was computed: its requests are re-placed
             entries = []
             for rid in ids:
                 if rid not in queued:
@@ -659,9 +811,12 @@ class ClusterSimulator:
             )
         end = self.now
         stats = {}
-        for iid, inst in self.instances.items():
+        every = {**self.retired, **self.draining, **self.instances}
+        for iid, inst in every.items():
+            life = self.lives[iid]
+            ready = life.ready_s if life.ready_s is not None else end
             stats[iid] = {
-                "time_s": end,
+                "time_s": (life.retired_s if life.retired_s is not None else end) - ready,
                 "busy_s": inst.busy_s,
                 "loading_s": inst.loading_s,
                 "kv_token_s": inst.kv_token_s,
@@ -674,6 +829,7 @@ class ClusterSimulator:
                 "iterations": inst.iterations,
             }
         return SimResult(
+            capacity=self._capacity_figures(end) if self.controller is not None else {},
             outcomes=outcomes,
             makespan_s=self.last_finish,
             sim_end_s=end,
@@ -684,3 +840,34 @@ class ClusterSimulator:
             events=self.events,
             demoted=self.demoted,
         )
+
+    def _capacity_figures(self, end: float) -> dict[str, Any]:
+        """Instance-hours paid (asked for → released or the end: start-up and draining
+        included), the part of them spent starting (SageServe's scaling waste), and the
+        number of instances started and released."""
+        paid = starting = 0.0
+        for life in self.lives.values():
+            stop = life.retired_s if life.retired_s is not None else end
+            paid += stop - life.requested_s
+            starting += (life.ready_s if life.ready_s is not None else stop) - life.requested_s
+        added = sum(1 for life in self.lives.values() if not life.initial)
+        return {
+            "instance_hours": round(paid / 3600.0, 3),
+            "scaling_waste_hours": round(starting / 3600.0, 3),
+            "instances_started": added,
+            "instances_released": sum(
+                1 for life in self.lives.values() if life.released_s is not None
+            ),
+            "peak_instances": self._peak_instances(end),
+        }
+
+    def _peak_instances(self, end: float) -> int:
+        edges: list[tuple[float, int]] = []
+        for life in self.lives.values():
+            edges.append((life.requested_s, 1))
+            edges.append((life.retired_s if life.retired_s is not None else end, -1))
+        peak = cur = 0
+        for _, d in sorted(edges, key=lambda e: (e[0], e[1])):
+            cur += d
+            peak = max(peak, cur)
+        return peak
