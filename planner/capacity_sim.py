@@ -352,7 +352,9 @@ class CapacityScenario:
         return InstanceSpec("template", self.gpu_type, (model,))
 
 
-def capacity_preset(hours: float = 24.0, peak_rps: float = 8.0) -> CapacityScenario:
+def capacity_preset(
+    hours: float = 24.0, peak_rps: float = 8.0, warm_start_s: float = 60.0
+) -> CapacityScenario:
     """The shipped ``capacity`` scenario: Llama-2-70B (TP 2 on A100-80GB) serving the Azure
     conversation trace shaped into a day peaking at ``peak_rps`` at 14:00, trough 25 %."""
     load = DiurnalLoad(
@@ -367,11 +369,13 @@ def capacity_preset(hours: float = 24.0, peak_rps: float = 8.0) -> CapacityScena
     return CapacityScenario(
         loads=(load,),
         hours=hours,
+        warm_start_s=warm_start_s,
         description=(
             f"A day ({hours:g} h) of the Azure conversation trace shaped into a diurnal curve "
             f"(peak {peak_rps:g} req/s at 14:00, trough 25 %) on Llama-2-70B instances (2 × "
-            "A100-80GB each) started in 10 min; instance-hours, scaling waste, p95 latency and "
-            "SLO attainment (60 s end to end) per capacity policy"
+            f"A100-80GB each) started in 10 min cold, {warm_start_s:g} s from the spare pool; "
+            "instance-hours, scaling waste, p95 latency and SLO attainment (60 s end to end) "
+            "per capacity policy"
         ),
     )
 

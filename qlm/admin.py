@@ -61,6 +61,10 @@ class AdminBackend(Protocol):
         """Stop dispatching to the instance and move its queue away; KeyError if unknown."""
         ...
 
+    def capacity_status(self) -> dict[str, Any] | None:
+        """The autoscaler's state and its recent decisions; None when none runs."""
+        ...
+
     def health(self) -> dict[str, Any]: ...
 
 
@@ -156,6 +160,32 @@ class PlanSummary(_Open):
     )
     lso: dict[str, Any] | None = Field(
         default=None, description="per instance: active/warm/cold models, evict or swap"
+    )
+
+
+class CapacityDecisionRecord(_Open):
+    decision: dict[str, Any] = Field(
+        description="the policy's decision with its inputs (deltas per model/gpu_type/pool, "
+        "targets, reasons, the observation, the ILP plan in force)"
+    )
+    outcome: dict[str, Any] = Field(
+        description="what the driver did: applied, dry_run, detail, duration_s, decided_at"
+    )
+
+
+class CapacityStatus(_Open):
+    policy: str = Field(description="reactive | cato | lt-i | lt-u | lt-ua")
+    driver: str = Field(description="dry-run (the default) or command")
+    dry_run: bool
+    interval_s: float
+    pool: str
+    last_observation: dict[str, Any] | None = Field(
+        default=None, description="the inputs of the latest decision, changed or not"
+    )
+    telemetry: dict[str, Any] = Field(default_factory=dict)
+    decisions: list[CapacityDecisionRecord] = Field(
+        default_factory=list,
+        description="the latest decisions that changed something, oldest first",
     )
 
 
@@ -396,6 +426,18 @@ def create_admin_app(
         if plan is None:
             raise _ApiError(404, "no_plan", "no replan has run yet")
         return plan
+
+    @v1.get(
+        "/capacity",
+        response_model=CapacityStatus,
+        responses={404: {"model": ErrorResponse, "description": "no autoscaler runs"}},
+        tags=["inspect"],
+    )
+    async def capacity_status() -> dict[str, Any]:
+        status = backend.capacity_status()
+        if status is None:
+            raise _ApiError(404, "autoscaling_off", "no autoscaler runs (set QLM_AUTOSCALE_POLICY)")
+        return status
 
     @v1.post(
         "/instances/{instance_id}/drain",

@@ -140,7 +140,7 @@ def _kill_group(proc: asyncio.subprocess.Process) -> None:
 
 
 def create_driver(command: str | None, *, timeout_s: float = 60.0) -> AutoscalerDriver:
-    """``command`` (a shell-style string, e.g. ``QLM_AUTOSCALER_COMMAND``): a
+    """``command`` (a shell-style string, ``QLM_AUTOSCALE_COMMAND``): a
     :class:`CommandDriver`; None or empty: the dry run."""
     import shlex
 

@@ -117,7 +117,11 @@ async def _run_coordinator(s: Settings, policy_name: str, shards: int, admin_por
         limits=AdmissionLimits(s.max_queued, s.max_queued_per_tenant, dict(s.tenant_limits)),
         late_task_rule=s.late_task_rule,
     )
+    autoscaler = _live_autoscaler(s, coord)
     await coord.start()
+    if autoscaler is not None:
+        coord.autoscaler = autoscaler
+        autoscaler.start()
     api = create_admin_app(
         coord,
         token=s.admin_token.get_secret_value(),
@@ -130,9 +134,40 @@ async def _run_coordinator(s: Settings, policy_name: str, shards: int, admin_por
     try:
         await _wait_for_signal()
     finally:
+        if autoscaler is not None:
+            await autoscaler.stop()
         await server.stop()
         await coord.stop()
         await store.close()
+
+
+def _live_autoscaler(s: Settings, coord: Any) -> Any:
+    """The capacity loop QLM_AUTOSCALE_POLICY asks for (None when unset); a bad spec file or
+    command is a startup error, not a crash later."""
+    if s.autoscale_policy is None:
+        return None
+    from planner.autoscale_loop import LiveCapacityLoop, load_capacity_spec
+    from planner.capacity import create_capacity_policy
+    from qlm.autoscale import create_driver
+
+    if s.capacity_spec is None:
+        raise typer.BadParameter(
+            "QLM_AUTOSCALE_POLICY needs QLM_CAPACITY_SPEC: a file with the pool, GPU prices and "
+            "per-model profiles (docs/capacity.md)"
+        )
+    try:
+        spec, pool = load_capacity_spec(s.capacity_spec)
+        driver = create_driver(s.autoscale_command, timeout_s=s.autoscale_timeout_s)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from e
+    coord.capacity.pool = pool
+    return LiveCapacityLoop(
+        coord,
+        create_capacity_policy(s.autoscale_policy, spec),
+        driver,
+        pool=pool,
+        interval_s=s.autoscale_interval_s,
+    )
 
 
 async def _use_measured_profiles(store: Any) -> None:
@@ -976,6 +1011,14 @@ def bench_sim(
     peak_rps: Annotated[
         float, typer.Option(min=0.01, help="capacity scenario: arrival rate at the daily peak")
     ] = 8.0,
+    warm_start_s: Annotated[
+        float,
+        typer.Option(
+            min=0.0,
+            help="capacity scenario: start-up of an instance reclaimed from the spare pool "
+            "(set it to the cold 600 s to model no spare pool)",
+        ),
+    ] = 60.0,
 ) -> None:
     """Every policy on a simulated cluster: SLO attainment, throughput, GPU use, swaps,
     evictions, p99 latency (docs/simulator.md). The `capacity` scenario compares capacity
@@ -992,7 +1035,7 @@ def bench_sim(
         typer.echo(f"{'capacity':12} {capacity_preset().description}")
         return
     if scenario == "capacity" and file is None:
-        _bench_capacity_sim(hours, peak_rps, policies, json_out, out)
+        _bench_capacity_sim(hours, peak_rps, warm_start_s, policies, json_out, out)
         return
     try:
         spec, preset = resolve(scenario, file)
@@ -1031,7 +1074,12 @@ def bench_sim(
 
 
 def _bench_capacity_sim(
-    hours: float, peak_rps: float, policies: str | None, json_out: Path | None, out: Path | None
+    hours: float,
+    peak_rps: float,
+    warm_start_s: float,
+    policies: str | None,
+    json_out: Path | None,
+    out: Path | None,
 ) -> None:
     from planner import create_policy
     from planner.capacity_sim import (
@@ -1051,7 +1099,7 @@ def _bench_capacity_sim(
     configure_logging(os.environ.get("QLM_LOG_LEVEL", "warning"), _settings().log_format, "bench")
     command = "qlm bench sim " + " ".join(sys.argv[3:]) if len(sys.argv) > 3 else ""
     summary = run_capacity_scenario(
-        capacity_preset(hours=hours, peak_rps=peak_rps),
+        capacity_preset(hours=hours, peak_rps=peak_rps, warm_start_s=warm_start_s),
         create_policy,
         policies=names or CAPACITY_POLICY_NAMES,
         command=command.strip(),

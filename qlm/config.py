@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
+from pathlib import Path
 from typing import Annotated, Literal, Self
 from urllib.parse import unquote, urlsplit
 
@@ -49,6 +50,13 @@ class Settings(BaseSettings):
     # a task-chain call that arrives after its derived deadline: "promote" it (CATO: keep the
     # passed deadline, top priority) or "demote" it to best effort (SABER); qlm/chains.py
     late_task_rule: Literal["promote", "demote"] = "promote"
+    # the live autoscaler (docs/capacity.md): off unless a policy is named; without a
+    # command it runs dry (decisions logged, shown on GET /v1/capacity and in metrics)
+    autoscale_policy: Literal["reactive", "cato", "lt-i", "lt-u", "lt-ua"] | None = None
+    capacity_spec: Path | None = None  # YAML/JSON: pool, GPU prices, per-model profiles
+    autoscale_command: str | None = None  # the operator's program (shell words, no shell)
+    autoscale_interval_s: float = Field(default=15.0, gt=0)
+    autoscale_timeout_s: float = Field(default=60.0, gt=0)
     log_level: str = "info"
     log_format: str = Field(default="json", pattern="^(json|console)$")
 

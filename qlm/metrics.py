@@ -157,6 +157,26 @@ class CoordinatorMetrics:
             registry=r,
         )
         self._scale_up_types: set[str] = set()
+        self._capacity_decisions = Counter(
+            f"{namespace}_capacity_decisions",
+            "Autoscaler decisions that changed an instance count, by policy and what the driver "
+            "did (applied, dry_run, failed)",
+            ["policy", "outcome"],
+            registry=r,
+        )
+        self._capacity_target = Gauge(
+            f"{namespace}_capacity_target_instances",
+            "Instances the autoscaler's latest decision wants, per model, GPU type and pool",
+            ["model", "gpu_type", "pool"],
+            registry=r,
+        )
+        self._capacity_utilisation = Gauge(
+            f"{namespace}_capacity_utilisation",
+            "Effective memory utilisation the autoscaler saw (KV used / KV capacity), per model "
+            "and pool",
+            ["model", "pool"],
+            registry=r,
+        )
         # Label children are cached: ``labels()`` takes a lock and builds a tuple each call.
         self._depth_children: dict[str, Gauge] = {}
         self._state_children: dict[str, Gauge] = {}
@@ -207,6 +227,20 @@ class CoordinatorMetrics:
             gpu_type = str(recommendation["gpu_type"])
             self._scale_up_types.add(gpu_type)
             self._scale_up.labels(gpu_type=gpu_type).set(float(recommendation.get("count", 0)))
+
+    def set_capacity(
+        self,
+        targets: Mapping[tuple[str, str, str], int],
+        utilisation: Mapping[tuple[str, str], float],
+    ) -> None:
+        """The autoscaler's latest targets ((model, gpu_type, pool) → instances) and EMU."""
+        for (model, gpu_type, pool), n in targets.items():
+            self._capacity_target.labels(model=model, gpu_type=gpu_type, pool=pool).set(n)
+        for (model, pool), u in utilisation.items():
+            self._capacity_utilisation.labels(model=model, pool=pool).set(u)
+
+    def observe_capacity_decision(self, policy: str, outcome: str) -> None:
+        self._capacity_decisions.labels(policy=policy, outcome=outcome).inc()
 
     # ---- counters -----------------------------------------------------------------------
 

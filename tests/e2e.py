@@ -17,13 +17,9 @@ from qlm.store import Store
 async def running_cluster(
     amqp_url: str, tmp_path: Path, agents: list[dict[str, Any]], **kw: Any
 ) -> AsyncIterator[LocalCluster]:
-    cluster = LocalCluster(
-        amqp_url,
-        agents=agents,
-        workdir=tmp_path,
-        extra_env={"QLM_HEARTBEAT_TIMEOUT_S": "2.0", "QLM_LOG_LEVEL": "info"},
-        **kw,
-    )
+    extra_env = {"QLM_HEARTBEAT_TIMEOUT_S": "2.0", "QLM_LOG_LEVEL": "info"}
+    extra_env.update(kw.pop("extra_env", None) or {})
+    cluster = LocalCluster(amqp_url, agents=agents, workdir=tmp_path, extra_env=extra_env, **kw)
     try:
         await cluster.start(timeout=60)
         yield cluster

@@ -115,6 +115,9 @@ class MemoryBackend:
         self.plans.append(plan)
         return plan
 
+    def capacity_status(self) -> dict[str, Any] | None:
+        return None
+
     def latest_plan(self) -> dict[str, Any] | None:
         if not self.plans:
             return None
@@ -506,10 +509,18 @@ async def test_openapi_documents_paths_models_and_security(client: httpx.AsyncCl
         "/v1/requests/{request_id}",
         "/v1/replan",
         "/v1/plan",
+        "/v1/capacity",
         "/v1/instances/{instance_id}/drain",
     }
     schemas = doc["components"]["schemas"]
-    for model in ("InstanceInfo", "QueueInfo", "PlanResponse", "DrainResponse", "ErrorResponse"):
+    for model in (
+        "InstanceInfo",
+        "QueueInfo",
+        "PlanResponse",
+        "DrainResponse",
+        "ErrorResponse",
+        "CapacityStatus",
+    ):
         assert model in schemas
     assert doc["components"]["securitySchemes"]["bearer"]["scheme"] == "bearer"
     assert doc["paths"]["/v1/replan"]["post"]["security"] == [{"bearer": []}]
@@ -561,3 +572,9 @@ async def test_latest_plan_is_404_before_a_replan_and_summarised_after(
     r = await client.get("/v1/plan", headers=headers)
     assert r.status_code == 200 and r.json()["plan_id"] == plan_id
     assert (await client.get("/v1/plan")).status_code == 401
+
+
+async def test_capacity_is_404_when_no_autoscaler_runs(client: httpx.AsyncClient) -> None:
+    r = await client.get("/v1/capacity", headers={"Authorization": f"Bearer {ADMIN}"})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "autoscaling_off"
+    assert (await client.get("/v1/capacity")).status_code == 401

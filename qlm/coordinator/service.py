@@ -26,6 +26,7 @@ from aio_pika.abc import (
 from pydantic import ValidationError
 
 from qlm import amqp as qlm_amqp
+from qlm.capacity_telemetry import AutoscalerView, CapacityTelemetry
 from qlm.catalog import ModelCatalog
 from qlm.chains import LateTaskRule, is_last_step
 from qlm.control import (
@@ -186,6 +187,9 @@ class Coordinator:
         self._orphans: dict[str, tuple[Completion, AbstractIncomingMessage, float]] = {}
         self.ingested = 0
         self.received_at_first: float | None = None
+        # what an autoscaler measures (planner/autoscale_loop.py reads it; the CLI wires one)
+        self.capacity = CapacityTelemetry()
+        self.autoscaler: AutoscalerView | None = None
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -373,6 +377,7 @@ class Coordinator:
                 ttft_deadline=tracked.plan_view.ttft_deadline,
             )
             self.metrics.observe_ingest_latency(time.time() - now)
+            self.capacity.on_arrival(req.model, tracked.plan_view.prompt_tokens, now)
             if self.core.policy.wants_replan(now):
                 self._schedule_replan()
         self._pump()
@@ -646,6 +651,7 @@ class Coordinator:
         )
         self.metrics.observe_outcome("completed")
         self.metrics.observe_slo(t.request.slo.slo_class or "default", outcome.met)
+        self.capacity.on_finished(t.request.model, outcome.met)
         if outcome.task_met is not None:
             self.metrics.observe_task(outcome.task_met)
         # the planner's output-length model learns from what requests really produced
@@ -901,6 +907,7 @@ class Coordinator:
         self._last_plan_at = now
         self._last_replan_s = duration
         self.metrics.observe_plan(duration)
+        self.capacity.on_plan(plan.meta)
         scale_up = plan.meta.get("scale_up") or {}
         self.metrics.set_scale_up(
             (scale_up.get("recommendation") or {}) if scale_up.get("needed") else {}
@@ -920,6 +927,9 @@ class Coordinator:
             "evictions": len(evictions),
             "model_plans": len(models),
         }
+
+    def capacity_status(self) -> dict[str, Any] | None:
+        return None if self.autoscaler is None else self.autoscaler.status()
 
     def latest_plan(self) -> dict[str, Any] | None:
         plan = self.core.last_plan
