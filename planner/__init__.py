@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from planner.balancing import RandomPolicy, RoundRobinPolicy
+from planner.balancing import PowerOfTwoPolicy, RandomPolicy, RoundRobinPolicy
 from planner.baselines import EDFPolicy, FCFSPolicy
 from planner.gain_density import GainDensityPolicy
 from planner.shepherd import SHEPHERDPolicy
@@ -20,6 +20,7 @@ POLICIES: dict[str, Callable[[], QueuePolicy]] = {
     "shepherd": SHEPHERDPolicy,
     "round_robin": RoundRobinPolicy,
     "random": RandomPolicy,
+    "power_of_two": PowerOfTwoPolicy,
     "qlm": QLMPolicy,
     "gain_density": GainDensityPolicy,
 }
@@ -37,6 +38,7 @@ __all__ = [
     "EDFPolicy",
     "FCFSPolicy",
     "GainDensityPolicy",
+    "PowerOfTwoPolicy",
     "QLMPolicy",
     "RandomPolicy",
     "RoundRobinPolicy",

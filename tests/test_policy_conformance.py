@@ -37,7 +37,7 @@ from tests.builders import make_instance, make_plan_request
 
 ALL = sorted(POLICIES)
 # Policies whose plan is exactly "sort by sort_key, then balance": their queues must be sorted.
-SORT_ORDERED = sorted({"fcfs", "edf", "round_robin", "random"} & set(POLICIES))
+SORT_ORDERED = sorted({"fcfs", "edf", "round_robin", "random", "power_of_two"} & set(POLICIES))
 # Policies that place without looking at queued work, by design.
 LOAD_OBLIVIOUS = {"round_robin", "random"}
 LOAD_AWARE = [n for n in ALL if n not in LOAD_OBLIVIOUS]
@@ -329,4 +329,4 @@ def test_unknown_policy_is_a_clear_error() -> None:
 
 
 def test_the_paper_baselines_are_registered() -> None:
-    assert {"fcfs", "edf", "shepherd", "round_robin", "random"} <= set(POLICIES)
+    assert {"fcfs", "edf", "shepherd", "round_robin", "random", "power_of_two"} <= set(POLICIES)
