@@ -116,6 +116,7 @@ async def _run_coordinator(s: Settings, policy_name: str, shards: int, admin_por
         lso=LSOSettings(eviction=s.lso_eviction, warm_start=s.lso_warm_start),
         limits=AdmissionLimits(s.max_queued, s.max_queued_per_tenant, dict(s.tenant_limits)),
         late_task_rule=s.late_task_rule,
+        batch=_batch_tier(s),
     )
     autoscaler = _live_autoscaler(s, coord)
     await coord.start()
@@ -139,6 +140,20 @@ async def _run_coordinator(s: Settings, policy_name: str, shards: int, admin_por
         await server.stop()
         await coord.stop()
         await store.close()
+
+
+def _batch_tier(s: Settings) -> Any:
+    from qlm.coordinator.core import BatchTier
+
+    try:
+        return BatchTier(
+            min_slack_s=s.batch_min_slack_s if s.batch_tier else None,
+            release_below=s.batch_release_below,
+            release_two_below=s.batch_release_two_below,
+            promote_after=s.batch_promote_after,
+        )
+    except ValueError as e:
+        raise typer.BadParameter(f"QLM_BATCH_*: {e}") from e
 
 
 def _live_autoscaler(s: Settings, coord: Any) -> Any:

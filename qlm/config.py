@@ -52,6 +52,13 @@ class Settings(BaseSettings):
     late_task_rule: Literal["promote", "demote"] = "promote"
     # the live autoscaler (docs/capacity.md): off unless a policy is named; without a
     # command it runs dry (decisions logged, shown on GET /v1/capacity and in metrics)
+    # the batch tier (docs/architecture.md): requests with ≥ batch_min_slack_s to their
+    # deadline wait in the durable queue for spare capacity or their promotion time
+    batch_tier: bool = True
+    batch_min_slack_s: float = Field(default=3600.0, gt=0)
+    batch_release_below: float = Field(default=0.6, ge=0, le=1)
+    batch_release_two_below: float = Field(default=0.5, ge=0, le=1)
+    batch_promote_after: float = Field(default=10.0 / 24.0, ge=0, le=1)
     autoscale_policy: Literal["reactive", "cato", "lt-i", "lt-u", "lt-ua"] | None = None
     capacity_spec: Path | None = None  # YAML/JSON: pool, GPU prices, per-model profiles
     autoscale_command: str | None = None  # the operator's program (shell words, no shell)

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
+
 from planner import create_policy
-from qlm.coordinator.core import CoordinatorCore, TrackState
+from qlm.control import Heartbeat
+from qlm.coordinator.core import BatchTier, CoordinatorCore, TrackState
 from qlm.policy import Plan
 from tests.builders import heartbeat, make_request
 
@@ -331,3 +334,81 @@ def test_takeover_adopts_work_the_agents_are_running() -> None:
     assert requeued.state == TrackState.QUEUED  # ours, evicted: a stale report is not adoption
     # its result, whatever dispatch id the old coordinator gave it, is the one answered
     assert core.accept_result(running.request_id, "old-coordinators-id") is running
+
+
+# ---- batch tier (SageServe's queue manager) ---------------------------------------------------
+
+
+def batch_core(**tier: object) -> CoordinatorCore:
+    core = CoordinatorCore(create_policy("edf"), batch=BatchTier(**tier))  # type: ignore[arg-type]
+    core.on_heartbeat(loaded("a", 0.9), now=0.0)  # busy: releases nothing
+    return core
+
+
+def loaded(agent: str, emu: float, at: float = 0.0) -> Heartbeat:
+    hb = heartbeat(agent, 1, at=at)
+    status = hb.instances[0]
+    used = int(emu * status.info.kv_capacity_tokens)
+    return hb.model_copy(update={"instances": [status.model_copy(update={"kv_used_tokens": used})]})
+
+
+def test_a_request_with_hours_to_its_deadline_is_held_out_of_the_virtual_queues() -> None:
+    core = batch_core()
+    batch = admit(core, e2e_ms=2 * 3600_000, submitted_at=0.0)
+    chat = admit(core, e2e_ms=10_000, submitted_at=0.0)
+    ttft = admit(core, e2e_ms=2 * 3600_000, ttft_ms=5_000, submitted_at=0.0)
+    assert batch.state == TrackState.HELD and batch.instance_id is None
+    assert chat.state == ttft.state == TrackState.QUEUED  # a TTFT target is interactive
+    assert core.held_count == 1 and core.state_counts()["held"] == 1
+    assert batch.request_id not in core.instances["a-gpu0"].queue
+    assert batch.promote_at == 2 * 3600 * 10 / 24
+    # a replan orders what is queued, not what is held
+    plan = core.replan(1.0)
+    assert batch.request_id not in plan.assigned_ids() and batch.state == TrackState.HELD
+
+
+def test_spare_capacity_releases_one_or_two_held_requests_earliest_promotion_first() -> None:
+    core = batch_core()
+    later = admit(core, e2e_ms=20 * 3600_000, submitted_at=0.0)
+    sooner = [admit(core, e2e_ms=3 * 3600_000, submitted_at=0.0) for _ in range(3)]
+    assert core.held_count == 4
+    core.on_heartbeat(loaded("a", 0.65, at=1.0), now=1.0)  # above 60 %: nothing
+    assert core.held_count == 4
+    core.on_heartbeat(loaded("a", 0.55, at=2.0), now=2.0)  # below 60 %: one
+    assert [t.state for t in sooner] == [TrackState.QUEUED, TrackState.HELD, TrackState.HELD]
+    core.on_heartbeat(loaded("a", 0.2, at=3.0), now=3.0)  # below 50 %: two
+    assert all(t.state == TrackState.QUEUED for t in sooner)
+    assert later.state == TrackState.HELD and core.held_count == 1
+    assert all(t.instance_id == "a-gpu0" for t in sooner)
+    core.on_pull("a-gpu0", 10)
+    assert {o.tracked.request_id for o in core.next_dispatches(3.0)} == {
+        t.request_id for t in sooner
+    }
+
+
+def test_a_held_request_is_promoted_when_its_deadline_nears() -> None:
+    core = batch_core()
+    day = admit(core, e2e_ms=24 * 3600_000, submitted_at=0.0)
+    assert core.promote_due(10 * 3600 - 1) == []
+    assert core.promote_due(10 * 3600) == [day]  # SageServe: 10 h of a 24 h deadline
+    assert day.state == TrackState.QUEUED and day.instance_id == "a-gpu0"
+    assert core.held_count == 0 and core.promote_due(20 * 3600) == []
+
+
+def test_a_result_for_a_held_request_is_accepted_once() -> None:
+    # after a takeover an engine may report a result for a request still held here
+    core = batch_core()
+    held = admit(core, e2e_ms=5 * 3600_000, submitted_at=0.0)
+    got = core.accept_result(held.request_id, "old-dispatch")
+    assert got is held and held.state == TrackState.ANSWERING and core.held_count == 0
+    assert core.promote_due(10 * 3600) == []  # its heap entry is skipped
+    assert core.accept_result(held.request_id, "old-dispatch") is None
+
+
+def test_the_batch_tier_can_be_turned_off_and_rejects_bad_settings() -> None:
+    core = CoordinatorCore(create_policy("edf"))  # default: off
+    core.on_heartbeat(heartbeat("a", 1), now=0.0)
+    assert admit(core, e2e_ms=24 * 3600_000, submitted_at=0.0).state == TrackState.QUEUED
+    for bad in ({"min_slack_s": 0}, {"release_below": 0.4}, {"promote_after": 1.5}):
+        with pytest.raises(ValueError):
+            BatchTier(**bad)  # type: ignore[arg-type]

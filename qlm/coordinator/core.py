@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import heapq
 import time
 import uuid
 from collections import OrderedDict
@@ -41,6 +42,7 @@ ADOPTED_DISPATCH = "adopted"
 
 
 class TrackState(StrEnum):
+    HELD = "held"  # batch tier: waits for spare capacity or its promotion time
     QUEUED = "queued"  # in a virtual queue, or unassigned
     DISPATCHED = "dispatched"  # handed to an instance, no result yet
     ANSWERING = "answering"  # a result is being published; nothing else may happen to it
@@ -74,6 +76,7 @@ class TrackedRequest:
     evict_requested: str | None = None  # dispatch id an Evict was sent for (sent once)
     # a step of a task chain: its derived deadlines (qlm/chains.py); None for a lone call
     chain: CallDeadlines | None = None
+    promote_at: float | None = None  # batch tier: when it stops waiting for spare capacity
 
     def reply_targets(self) -> list[tuple[str, str | None]]:
         """Distinct (reply_to, correlation_id) pairs to answer: one reply each."""
@@ -199,6 +202,31 @@ class LSOSettings:
     warm_start: bool = True  # tell agents which models to keep awake / warm / released
 
 
+@dataclass(frozen=True)
+class BatchTier:
+    """SageServe's batch queue manager (docs/architecture.md, "Batch tier"). A request whose
+    end-to-end deadline is at least ``min_slack_s`` away on arrival (and that has no TTFT
+    target and is not a chain step) is *held*: it stays unacked in the durable queue, outside
+    every virtual queue, until an instance reports spare capacity - effective memory
+    utilisation below ``release_below`` releases one request of a model it serves, below
+    ``release_two_below`` two, per heartbeat - or until ``promote_after`` of its time to
+    deadline has passed (SageServe: 10 h of a 24 h deadline), when it is placed like any other
+    request. ``min_slack_s=None`` turns the tier off."""
+
+    min_slack_s: float | None = 3600.0
+    release_below: float = 0.6
+    release_two_below: float = 0.5
+    promote_after: float = 10.0 / 24.0
+
+    def __post_init__(self) -> None:
+        if self.min_slack_s is not None and self.min_slack_s <= 0:
+            raise ValueError("the batch tier's min_slack_s must be > 0 (None turns it off)")
+        if not 0 <= self.release_two_below <= self.release_below <= 1:
+            raise ValueError("need 0 ≤ release_two_below ≤ release_below ≤ 1")
+        if not 0 <= self.promote_after <= 1:
+            raise ValueError("promote_after is a fraction of the time to deadline, in [0, 1]")
+
+
 class CoordinatorCore:
     def __init__(
         self,
@@ -209,8 +237,14 @@ class CoordinatorCore:
         lso: LSOSettings | None = None,
         limits: AdmissionLimits | None = None,
         late_task_rule: LateTaskRule = "promote",
+        batch: BatchTier | None = None,
     ) -> None:
         self.policy = policy
+        self.batch = batch or BatchTier(min_slack_s=None)
+        # batch tier: per model, a heap of (promote_at, seq, request id); entries whose
+        # request left the tier are skipped when met
+        self.held: dict[str, list[tuple[float, int, str]]] = {}
+        self.held_count = 0
         self.late_task_rule = late_task_rule
         self.lso = lso or LSOSettings()
         self.limits = limits or AdmissionLimits()
@@ -300,8 +334,81 @@ class CoordinatorCore:
             chain=due if due.task_deadline is not None else None,
         )
         self.requests[rid] = tracked
+        if self._hold(tracked, received_at):
+            return tracked, "new"
         self._place(tracked, received_at)
         return tracked, "new"
+
+    # ---------------------------------------------------------------- batch tier
+    def _hold(self, tracked: TrackedRequest, now: float) -> bool:
+        view, slack = tracked.plan_view, self.batch.min_slack_s
+        if (
+            slack is None
+            or view.deadline is None
+            or view.ttft_deadline is not None
+            or tracked.chain is not None
+            or view.deadline - now < slack
+        ):
+            return False
+        start = min(now, tracked.submitted_at)
+        tracked.promote_at = start + self.batch.promote_after * (view.deadline - start)
+        tracked.state = TrackState.HELD
+        tracked.instance_id = None
+        entry = (tracked.promote_at, tracked.seq, tracked.request_id)
+        heapq.heappush(self.held.setdefault(view.model, []), entry)
+        self.held_count += 1
+        return True
+
+    def _take_held(self, model: str, limit: int) -> list[TrackedRequest]:
+        """Up to ``limit`` held requests of ``model``, the earliest promotion first."""
+        heap = self.held.get(model)
+        out: list[TrackedRequest] = []
+        while heap and len(out) < limit:
+            _, _, rid = heapq.heappop(heap)
+            tracked = self.requests.get(rid)
+            if tracked is not None and tracked.state == TrackState.HELD:
+                self.held_count -= 1
+                out.append(tracked)
+        return out
+
+    def _release_to(self, inst: InstanceState) -> int:
+        """An instance reported its utilisation: release held work to it if it has room."""
+        status = inst.last_status
+        if status is None or not self.held_count or inst.info.kv_capacity_tokens <= 0:
+            return 0
+        emu = status.kv_used_tokens / inst.info.kv_capacity_tokens
+        if emu >= self.batch.release_below:
+            return 0
+        want = 2 if emu < self.batch.release_two_below else 1
+        released = 0
+        models = [m for m in [status.active_model] if m] + inst.info.models
+        for model in dict.fromkeys(models):
+            for tracked in self._take_held(model, want - released):
+                tracked.state = TrackState.QUEUED
+                inst.queue.insert(tracked.request_id, self.policy.sort_key(tracked.plan_view))
+                inst.queued_tokens += self.policy.work_tokens(tracked.plan_view)
+                tracked.instance_id = inst.instance_id
+                released += 1
+                log.info(
+                    "batch_released",
+                    request_id=tracked.request_id,
+                    instance_id=inst.instance_id,
+                    utilisation=round(emu, 3),
+                )
+            if released >= want:
+                break
+        return released
+
+    def promote_due(self, now: float) -> list[TrackedRequest]:
+        """Held requests whose promotion time has come are placed like any other request."""
+        promoted: list[TrackedRequest] = []
+        for model, heap in self.held.items():
+            while heap and heap[0][0] <= now:
+                for tracked in self._take_held(model, 1):
+                    self._place(tracked, now)
+                    promoted.append(tracked)
+                    log.info("batch_promoted", request_id=tracked.request_id)
+        return promoted
 
     def _shed_reason(self, tenant: str) -> Shed | None:
         """Which limit refuses a new request of ``tenant`` now; None: admit it. Every tracked
@@ -343,7 +450,11 @@ class CoordinatorCore:
         tracked.instance_id = target
 
     def _unqueue(self, tracked: TrackedRequest) -> None:
-        """Take a QUEUED request out of wherever it waits."""
+        """Take a QUEUED (or HELD) request out of wherever it waits."""
+        if tracked.state == TrackState.HELD:
+            tracked.state = TrackState.QUEUED  # its heap entry is skipped from now on
+            self.held_count -= 1
+            return
         if tracked.instance_id is None:
             with contextlib.suppress(ValueError):
                 self.unassigned.remove(tracked.request_id)
@@ -376,8 +487,12 @@ class CoordinatorCore:
             inst.last_seen = now
             inst.last_status = status
             self._adopt(inst, status.in_flight)
+            if inst.status == "alive":
+                self._release_to(inst)
         if new:
             self._place_unassigned(now)
+        if self.held_count:
+            self.promote_due(now)
         return new
 
     def _reconcile_credit(self, inst: InstanceState, status: InstanceStatus) -> None:
@@ -415,7 +530,8 @@ class CoordinatorCore:
         mistaken for running work. Their result, whatever its dispatch id, is accepted."""
         for rid in in_flight:
             tracked = self.requests.get(rid)
-            if tracked is None or tracked.state != TrackState.QUEUED or tracked.attempts:
+            waiting = (TrackState.QUEUED, TrackState.HELD)
+            if tracked is None or tracked.state not in waiting or tracked.attempts:
                 continue
             self._unqueue(tracked)
             tracked.state = TrackState.DISPATCHED
@@ -472,7 +588,7 @@ class CoordinatorCore:
             return None
         # A result from an older dispatch (e.g. an agent we declared dead that was only slow)
         # is still a correct result: take it, and forget the newer attempt.
-        if tracked.state == TrackState.QUEUED:
+        if tracked.state in (TrackState.QUEUED, TrackState.HELD):
             self._unqueue(tracked)
         self._forget_running(tracked)
         if dispatch_id != tracked.dispatch_id:

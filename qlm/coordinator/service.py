@@ -43,6 +43,7 @@ from qlm.control import (
 )
 from qlm.coordinator.core import (
     AdmissionLimits,
+    BatchTier,
     CoordinatorCore,
     DispatchOrder,
     EvictOrder,
@@ -148,6 +149,7 @@ class Coordinator:
         lso: LSOSettings | None = None,
         limits: AdmissionLimits | None = None,
         late_task_rule: LateTaskRule = "promote",
+        batch: BatchTier | None = None,
     ) -> None:
         self.amqp_url = amqp_url
         self.store = store
@@ -163,6 +165,7 @@ class Coordinator:
             lso=lso,
             limits=limits,
             late_task_rule=late_task_rule,
+            batch=batch,
         )
         self.metrics = metrics or CoordinatorMetrics()
         self._conn: AbstractRobustConnection | None = None
@@ -773,6 +776,8 @@ class Coordinator:
                 # are still waiting in the broker. Judge liveness on the next tick, not now.
                 log.warning("liveness_check_skipped", lag_s=round(gap, 3))
                 continue
+            if self.core.promote_due(now):
+                self._pump()
             for iid, moved in self.core.check_liveness(now):
                 self._record_instance(iid, "lost", now)
                 for t in moved:
