@@ -40,6 +40,7 @@ from qlm.topology import INGRESS_EXCHANGE, declare_topology
 from qlm.types import (
     CONTENT_TYPE,
     REPLY_ID_HEADER,
+    CancelMessage,
     ErrorMessage,
     RequestMessage,
     ResultMessage,
@@ -181,6 +182,33 @@ class QlmClient:
         fut = await self.submit(request)
         # shield: a timeout must not cancel the future, or a late reply would be lost.
         return await asyncio.wait_for(asyncio.shield(fut), timeout)
+
+    async def cancel(self, request_id: str, reason: str | None = None) -> None:
+        """Withdraw a submitted request (returns once the broker confirmed the cancel). Its
+        future still resolves, exactly once: with a ``cancelled`` error if the request was
+        waiting or could be stopped, or with its result if it finished first."""
+        if self._ingress is None or self._connection is None:
+            raise RuntimeError("QlmClient is not connected; use `async with QlmClient(url)`")
+        body = CancelMessage(request_id=request_id, reason=reason).model_dump_json(
+            exclude_none=True
+        )
+        message = aio_pika.Message(
+            body.encode(),
+            content_type=CONTENT_TYPE,
+            content_encoding="utf-8",
+            delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+            message_id=f"cancel-{request_id}",
+            timestamp=datetime.now(tz=UTC),
+            app_id=self.app_id,
+        )
+        # the request's routing key: the cancel lands on the request's shard, behind it
+        await qlm_amqp.publish_confirmed(
+            self._connection,
+            self._ingress,
+            message,
+            request_id,
+            within_s=self.republish_within_s,
+        )
 
     async def publish_raw(
         self,

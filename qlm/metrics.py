@@ -15,7 +15,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 # Final fates of a request; a typo in the coordinator should fail loudly, not add a series.
-OUTCOMES: frozenset[str] = frozenset({"completed", "failed", "rejected", "dead_lettered"})
+OUTCOMES: frozenset[str] = frozenset(
+    {"completed", "failed", "rejected", "dead_lettered", "cancelled"}
+)
 
 # Broker delivery -> engine start spans sub-millisecond (idle cluster) to seconds (backlog).
 LATENCY_BUCKETS_S: tuple[float, ...] = (

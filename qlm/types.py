@@ -208,6 +208,7 @@ class ErrorCode(StrEnum):
     OVERLOADED = "overloaded"
     ENGINE_ERROR = "engine_error"
     DELIVERY_LIMIT = "delivery_limit"
+    CANCELLED = "cancelled"
     INTERNAL_ERROR = "internal_error"
 
 
@@ -222,6 +223,19 @@ class ErrorMessage(_Strict):
     details: dict[str, Any] | None = None
 
 
+class CancelMessage(_Strict):
+    """Withdraw a request: published to the ingress exchange like the request, with the same
+    routing key (its ``request_id``), so it reaches the same shard after it. The request's
+    producer then receives exactly one reply: a ``cancelled`` ErrorMessage if the request was
+    still queued or could be stopped, or its result if it finished first. The cancel itself
+    gets no reply."""
+
+    type: Literal["cancel"] = "cancel"
+    version: Literal[1] = 1
+    request_id: RequestId
+    reason: str | None = Field(default=None, max_length=256)
+
+
 def protocol_json_schema() -> dict[str, Any]:
     """The JSON Schema of protocol v1 (request, result and error), as committed in the repo."""
     from pydantic.json_schema import models_json_schema
@@ -229,6 +243,7 @@ def protocol_json_schema() -> dict[str, Any]:
     _, defs = models_json_schema(
         [
             (RequestMessage, "validation"),
+            (CancelMessage, "validation"),
             (ResultMessage, "serialization"),
             (ErrorMessage, "serialization"),
         ],
@@ -238,10 +253,12 @@ def protocol_json_schema() -> dict[str, Any]:
     defs["$id"] = "https://qlm.dev/schemas/protocol-v1.schema.json"
     defs["description"] = (
         "Generated from qlm/types.py by `qlm schema`. Publish a RequestMessage to the ingress "
-        "exchange; receive exactly one ResultMessage or ErrorMessage on reply_to."
+        "exchange; receive exactly one ResultMessage or ErrorMessage on reply_to. A "
+        "CancelMessage on the same exchange withdraws a request."
     )
     defs["oneOf"] = [
         {"$ref": "#/$defs/RequestMessage"},
+        {"$ref": "#/$defs/CancelMessage"},
         {"$ref": "#/$defs/ResultMessage"},
         {"$ref": "#/$defs/ErrorMessage"},
     ]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from planner import create_policy
-from qlm.control import Heartbeat
+from qlm.control import Evicted, Heartbeat
 from qlm.coordinator.core import BatchTier, CoordinatorCore, TrackState
 from qlm.policy import Plan
 from tests.builders import heartbeat, make_request
@@ -412,3 +412,64 @@ def test_the_batch_tier_can_be_turned_off_and_rejects_bad_settings() -> None:
     for bad in ({"min_slack_s": 0}, {"release_below": 0.4}, {"promote_after": 1.5}):
         with pytest.raises(ValueError):
             BatchTier(**bad)  # type: ignore[arg-type]
+
+
+# ---- cancels ----------------------------------------------------------------------------------
+
+
+def test_cancelling_a_queued_or_held_request_takes_it_out_at_once() -> None:
+    core = CoordinatorCore(create_policy("edf"), batch=BatchTier())
+    core.on_heartbeat(loaded("a", 0.9), now=0.0)
+    queued = admit(core, e2e_ms=10_000, submitted_at=0.0)
+    held = admit(core, e2e_ms=5 * 3600_000, submitted_at=0.0)
+    for t in (queued, held):
+        outcome, tracked, order = core.cancel(t.request_id)
+        assert (outcome, tracked, order) == ("cancelled", t, None)
+        assert t.state == TrackState.ANSWERING
+    assert len(core.instances["a-gpu0"].queue) == 0 and core.held_count == 0
+    core.on_pull("a-gpu0", 5)
+    assert core.next_dispatches(1.0) == []
+
+
+def test_cancelling_a_running_request_evicts_it_and_its_report_ends_it() -> None:
+    core = core_with({"a": 1})
+    t = admit(core, e2e_ms=10_000, submitted_at=0.0)
+    core.on_pull("a-gpu0", 1)
+    [dispatch] = core.next_dispatches(0.5)
+    outcome, tracked, order = core.cancel(t.request_id)
+    assert outcome == "stopping" and tracked is t and order is not None
+    assert (order.instance_id, order.dispatch_id, order.mode) == ("a-gpu0", t.dispatch_id, "evict")
+    assert core.cancel(t.request_id)[0] == "answered"  # a second cancel sends nothing more
+    ended = core.on_evicted(
+        Evicted(
+            agent_id="a",
+            instance_id="a-gpu0",
+            request_id=t.request_id,
+            dispatch_id=dispatch.dispatch_id,
+            output_token_ids=[1, 2],
+            reason="evict:plan",
+        ),
+        now=1.0,
+    )
+    assert ended is t and t.state == TrackState.ANSWERING  # answered "cancelled", not requeued
+    assert t.request_id not in core.instances["a-gpu0"].running
+    assert len(core.instances["a-gpu0"].queue) == 0
+
+
+def test_a_result_that_beats_the_cancel_is_the_one_reply() -> None:
+    core = core_with({"a": 1})
+    t = admit(core, e2e_ms=10_000, submitted_at=0.0)
+    core.on_pull("a-gpu0", 1)
+    [dispatch] = core.next_dispatches(0.5)
+    core.cancel(t.request_id)
+    assert core.accept_result(t.request_id, dispatch.dispatch_id) is t  # completion first
+    core.finish(t.request_id)
+    assert core.cancel(t.request_id)[0] == "answered"
+
+
+def test_a_cancel_that_comes_first_answers_its_request_on_arrival() -> None:
+    core = core_with({"a": 1})
+    assert core.cancel("early")[0] == "unknown"
+    req = make_request(request_id="early")
+    got = core.admit(req, object(), reply_to="r", correlation_id="early", received_at=1.0)
+    assert got == (None, "cancelled") and "early" not in core.requests

@@ -399,9 +399,16 @@ def test_the_json_examples_in_docs_protocol_md_are_valid() -> None:
     kinds: Counter[str] = Counter()
     for block in blocks:
         message = json.loads(block)
-        kind = {"result": "ResultMessage", "error": "ErrorMessage"}.get(
-            message.get("type"), "RequestMessage"
-        )
+        kind = {
+            "result": "ResultMessage",
+            "error": "ErrorMessage",
+            "cancel": "CancelMessage",
+        }.get(message.get("type"), "RequestMessage")
         _validator(kind).validate(message)
         kinds[kind] += 1
-    assert kinds == {"RequestMessage": 2, "ResultMessage": 1, "ErrorMessage": 1}
+    assert kinds == {
+        "RequestMessage": 2,
+        "ResultMessage": 1,
+        "ErrorMessage": 1,
+        "CancelMessage": 1,
+    }

@@ -9,7 +9,7 @@ import pytest
 
 from qlm.catalog import ModelCatalog
 from qlm.coordinator.validation import InvalidRequest, parse_request
-from qlm.types import ErrorCode
+from qlm.types import CancelMessage, ErrorCode
 
 CAT = ModelCatalog()
 GOOD = {
@@ -71,3 +71,20 @@ def test_request_id_is_salvaged_for_the_error_reply() -> None:
     with pytest.raises(InvalidRequest) as exc:
         parse_request(b'{"request_id": "r-9", "model": ', None, CAT, max_body_bytes=1_048_576)
     assert exc.value.request_id == "r-9"
+
+
+def test_a_cancel_parses_and_a_malformed_one_is_a_schema_violation() -> None:
+    raw = json.dumps({"type": "cancel", "request_id": "r-1", "reason": "gone"}).encode()
+    cancel = parse_request(raw, "application/json", CAT, max_body_bytes=1_048_576)
+    assert isinstance(cancel, CancelMessage) and cancel.request_id == "r-1"
+    assert code(json.dumps({"type": "cancel"}).encode()) == ErrorCode.SCHEMA_VIOLATION
+    bad = {"type": "cancel", "request_id": "r-1", "model": "mistral-7b"}  # a request's field
+    assert code(json.dumps(bad).encode()) == ErrorCode.SCHEMA_VIOLATION
+    with pytest.raises(InvalidRequest) as exc:
+        parse_request(
+            json.dumps({"type": "cancel", "request_id": "r-7", "reason": 1}).encode(),
+            None,
+            CAT,
+            max_body_bytes=1_048_576,
+        )
+    assert exc.value.request_id == "r-7"  # the error names the request it was about

@@ -77,6 +77,9 @@ class TrackedRequest:
     # a step of a task chain: its derived deadlines (qlm/chains.py); None for a lone call
     chain: CallDeadlines | None = None
     promote_at: float | None = None  # batch tier: when it stops waiting for spare capacity
+    # its producer cancelled it while it ran: the Evict sent stops it, and the Evicted report
+    # (or a lost instance) ends it with a "cancelled" reply instead of a requeue
+    cancel_requested: bool = False
 
     def reply_targets(self) -> list[tuple[str, str | None]]:
         """Distinct (reply_to, correlation_id) pairs to answer: one reply each."""
@@ -259,6 +262,8 @@ class CoordinatorCore:
         # Recently answered ids: a redelivery of one of these is acked without a second reply.
         self.answered: OrderedDict[str, None] = OrderedDict()
         self.answered_limit = 200_000
+        # cancels that came before their request (bounded, like `answered`)
+        self.cancelled_early: OrderedDict[str, None] = OrderedDict()
         self._seq = 0
         self.last_plan: Plan | None = None
 
@@ -284,6 +289,9 @@ class CoordinatorCore:
         rid = request.request_id
         if rid in self.answered:
             return None, "answered"
+        if rid in self.cancelled_early and rid not in self.requests:
+            del self.cancelled_early[rid]
+            return None, "cancelled"
         existing = self.requests.get(rid)
         if existing is not None:
             if redelivered:
@@ -338,6 +346,52 @@ class CoordinatorCore:
             return tracked, "new"
         self._place(tracked, received_at)
         return tracked, "new"
+
+    # ---------------------------------------------------------------- cancels
+    def cancel(self, request_id: str) -> tuple[str, TrackedRequest | None, EvictOrder | None]:
+        """A producer withdrew a request. Returns (outcome, tracked, order):
+
+        * ``"cancelled"`` - it was waiting (queued or held): it is out of every queue and now
+          ANSWERING; the caller replies ``cancelled`` and settles it;
+        * ``"stopping"`` - it runs: ``order`` evicts it; its Evicted report (or the loss of its
+          instance) ends it with a ``cancelled`` reply, unless its result comes first;
+        * ``"answered"`` - it is being answered or was answered: nothing to do;
+        * ``"unknown"`` - not seen yet: remembered, so that it is answered ``cancelled`` on
+          arrival without running."""
+        tracked = self.requests.get(request_id)
+        if tracked is None:
+            if request_id in self.answered:
+                return "answered", None, None
+            self.cancelled_early[request_id] = None
+            if len(self.cancelled_early) > 10_000:
+                self.cancelled_early.popitem(last=False)
+            return "unknown", None, None
+        if tracked.state in (TrackState.QUEUED, TrackState.HELD):
+            self._unqueue(tracked)
+            tracked.state = TrackState.ANSWERING
+            return "cancelled", tracked, None
+        if tracked.state != TrackState.DISPATCHED or tracked.cancel_requested:
+            return "answered", tracked, None
+        tracked.cancel_requested = True
+        inst = self.instances.get(tracked.instance_id or "")
+        if inst is None or tracked.dispatch_id is None:
+            return "stopping", tracked, None
+        tracked.evict_requested = tracked.dispatch_id
+        order = EvictOrder(
+            tracked, inst.instance_id, inst.info.agent_id, tracked.dispatch_id, "evict"
+        )
+        return "stopping", tracked, order
+
+    def end_cancelled(self, tracked: TrackedRequest) -> bool:
+        """A cancelled request that was running has stopped (or lost its instance): take it
+        out of every queue and running set, ready to be answered. False if already answered."""
+        if tracked.state in (TrackState.ANSWERING, TrackState.DONE):
+            return False
+        if tracked.state in (TrackState.QUEUED, TrackState.HELD):
+            self._unqueue(tracked)
+        self._forget_running(tracked)
+        tracked.state = TrackState.ANSWERING
+        return True
 
     # ---------------------------------------------------------------- batch tier
     def _hold(self, tracked: TrackedRequest, now: float) -> bool:
@@ -667,6 +721,10 @@ class CoordinatorCore:
             or tracked.dispatch_id != ev.dispatch_id
         ):
             return None
+        if tracked.cancel_requested:
+            # stopped because its producer cancelled it: answered "cancelled", not requeued
+            self.end_cancelled(tracked)
+            return tracked
         self._forget_running(tracked)
         ids = list(ev.output_token_ids)
         if len(ids) < len(tracked.resume_token_ids) or ids[: len(tracked.resume_token_ids)] != (

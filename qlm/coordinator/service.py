@@ -68,8 +68,10 @@ from qlm.topology import (
 from qlm.types import (
     CONTENT_TYPE,
     REPLY_ID_HEADER,
+    CancelMessage,
     ErrorCode,
     ErrorMessage,
+    RequestMessage,
     ResultMessage,
     SLOOutcome,
     Timestamps,
@@ -335,6 +337,9 @@ class Coordinator:
         except InvalidRequest as bad:
             await self._reject(message, bad, now)
             return
+        if isinstance(req, CancelMessage):
+            await self._on_cancel(req, message)
+            return
         tracked, outcome = self.core.admit(
             req,
             message,
@@ -347,6 +352,9 @@ class Coordinator:
         if outcome == "answered":
             # Already replied (an ack was lost): settle the copy without a second reply.
             await message.ack()
+            return
+        if outcome == "cancelled":  # its cancel came first: answer it without running it
+            await self._reply_cancelled_on_arrival(req, message, now)
             return
         if outcome == "overloaded":
             # Shed explicitly, like an invalid request: an error reply, a dead-letter copy with
@@ -544,7 +552,7 @@ class Coordinator:
             for i in self.core.instances.values()
             if i.info.agent_id == agent_id and i.status != "lost"
         ]
-        moved = self.core.lose_agent(agent_id, reason, now)
+        moved = self._end_cancelled(self.core.lose_agent(agent_id, reason, now))
         for iid in lost:
             self._record_instance(iid, "lost", now)
         for t in moved:
@@ -583,6 +591,9 @@ class Coordinator:
             self._spawn(self._fail(ctl, message))
         elif isinstance(ctl, Evicted):
             t = self.core.on_evicted(ctl, now)
+            if t is not None and t.cancel_requested:
+                self._spawn(self._answer_cancelled(t, message))
+                return
             if t is not None:
                 self.store.record_status(
                     t.request_id,
@@ -692,8 +703,94 @@ class Coordinator:
         )
         self.metrics.observe_outcome("failed")
 
+    # ------------------------------------------------------------------ cancels
+    async def _on_cancel(self, cancel: CancelMessage, message: AbstractIncomingMessage) -> None:
+        rid = cancel.request_id
+        outcome, t, order = self.core.cancel(rid)
+        log.info("cancel_received", request_id=rid, outcome=outcome, reason=cancel.reason)
+        if outcome == "cancelled" and t is not None:
+            await self._answer_cancelled(t, message, cancel.reason)
+            return
+        if order is not None:
+            evict = Evict(
+                instance_id=order.instance_id,
+                request_id=rid,
+                dispatch_id=order.dispatch_id,
+                mode="evict",
+            )
+            try:
+                await self._to_agent(order.agent_id, evict.model_dump_json())
+            except Exception as exc:  # the agent is gone: liveness ends it, cancelled
+                log.warning("cancel_evict_failed", request_id=rid, error=repr(exc))
+        await message.ack()
+
+    def _end_cancelled(self, moved: list[TrackedRequest]) -> list[TrackedRequest]:
+        """Requests requeued from a lost instance: those cancelled while they ran are answered
+        ``cancelled`` instead; the others are returned."""
+        kept = []
+        for t in moved:
+            if t.cancel_requested and self.core.end_cancelled(t):
+                self._spawn(self._answer_cancelled(t, None))
+            else:
+                kept.append(t)
+        return kept
+
+    async def _answer_cancelled(
+        self, t: TrackedRequest, ctl_msg: AbstractIncomingMessage | None, reason: str | None = None
+    ) -> None:
+        err = ErrorMessage(
+            request_id=t.request_id,
+            code=ErrorCode.CANCELLED,
+            message="cancelled by its producer" + (f": {reason}" if reason else ""),
+        )
+        if not await self._answer(t, err, ctl_msg):
+            return
+        self.store.record_finished(
+            t.request_id,
+            RequestStatus.CANCELLED,
+            time.time(),
+            instance_id=t.instance_id,
+            attempts=t.attempts,
+            started_at=None,
+            first_token_at=None,
+            finished_at=None,
+            output_tokens=0,
+            slo_met=False,
+            error_code=ErrorCode.CANCELLED.value,
+        )
+        self.metrics.observe_outcome("cancelled")
+        self._pump()
+
+    async def _reply_cancelled_on_arrival(
+        self, req: RequestMessage, message: AbstractIncomingMessage, now: float
+    ) -> None:
+        """A request whose cancel arrived first: one ``cancelled`` reply, then the ack."""
+        err = ErrorMessage(
+            request_id=req.request_id,
+            code=ErrorCode.CANCELLED,
+            message="cancelled by its producer before it was queued",
+        )
+        if message.reply_to:
+            try:
+                await self._reply(
+                    message.reply_to,
+                    message.correlation_id,
+                    err,
+                    republish_within_s=REPLY_REPUBLISH_S,
+                )
+            except Exception:
+                log.exception("reply_failed", request_id=req.request_id)
+                await message.nack(requeue=True)
+                return
+        self.core.finish(req.request_id)
+        self.metrics.observe_outcome("cancelled")
+        await message.ack()
+
     async def _answer(
-        self, t: TrackedRequest, msg: ResultMessage | ErrorMessage, ctl_msg: AbstractIncomingMessage
+        self,
+        t: TrackedRequest,
+        msg: ResultMessage | ErrorMessage,
+        ctl_msg: AbstractIncomingMessage | None,
     ) -> bool:
         """Publish the one reply with a confirm, then ack the request's delivery."""
         if t.reply_to or t.duplicates:
@@ -708,13 +805,15 @@ class Coordinator:
                 log.exception("reply_failed", request_id=t.request_id)
                 self.core.release_answering(t.request_id)
                 self._pump()
-                with contextlib.suppress(Exception):
-                    await ctl_msg.ack()
+                if ctl_msg is not None:
+                    with contextlib.suppress(Exception):
+                        await ctl_msg.ack()
                 return False
         await self._ack_delivery(t)
         self.core.finish(t.request_id)
-        with contextlib.suppress(Exception):
-            await ctl_msg.ack()
+        if ctl_msg is not None:
+            with contextlib.suppress(Exception):
+                await ctl_msg.ack()
         return True
 
     async def _ack_delivery(self, t: TrackedRequest) -> None:
@@ -780,7 +879,7 @@ class Coordinator:
                 self._pump()
             for iid, moved in self.core.check_liveness(now):
                 self._record_instance(iid, "lost", now)
-                for t in moved:
+                for t in self._end_cancelled(moved):
                     self.store.record_status(
                         t.request_id,
                         RequestStatus.REQUEUED,

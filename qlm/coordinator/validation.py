@@ -13,7 +13,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from qlm.catalog import ModelCatalog
-from qlm.types import CONTENT_TYPE, ErrorCode, RequestMessage
+from qlm.types import CONTENT_TYPE, CancelMessage, ErrorCode, RequestMessage
 
 _ID_RE = re.compile(r'"request_id"\s*:\s*"([A-Za-z0-9._:@/+=-]{1,128})"')
 
@@ -46,7 +46,8 @@ def parse_request(
     *,
     max_body_bytes: int,
     message_id: str | None = None,
-) -> RequestMessage:
+) -> RequestMessage | CancelMessage:
+    """A request, or a cancel (``"type": "cancel"``), or an :class:`InvalidRequest`."""
     fallback_id = message_id
     if len(body) > max_body_bytes:
         raise InvalidRequest(
@@ -76,7 +77,10 @@ def parse_request(
         ) from None
     rid = data.get("request_id") if isinstance(data, dict) else None
     rid = rid if isinstance(rid, str) and _ID_RE.fullmatch(f'"request_id":"{rid}"') else fallback_id
+    is_cancel = isinstance(data, dict) and data.get("type") == "cancel"
     try:
+        if is_cancel:
+            return CancelMessage.model_validate(data)
         req = RequestMessage.model_validate(data)
     except ValidationError as exc:
         errors = [

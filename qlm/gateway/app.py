@@ -8,9 +8,9 @@ configured timeout, or for the client to go away, whichever comes first.
 
 qlm's wire protocol answers with whole results (no token stream), so ``stream: true`` sends
 the finished text as a burst of SSE chunks once the result is in: the client's time to first
-byte is the request's end-to-end latency. The protocol has no cancel message either: a client
-that disconnects stops the gateway waiting, but the request stays queued and is served.
-docs/gateway.md says what protocol change each of these needs.
+byte is the request's end-to-end latency. A client that disconnects, or a call that times out,
+cancels its request (a protocol ``cancel`` message): a queued request is dropped, a running
+one is stopped. docs/gateway.md says what protocol change token streaming needs.
 """
 
 from __future__ import annotations
@@ -477,14 +477,14 @@ class _Gateway:
             if fut.done():
                 return self._result(fut.result())
             if gone in done:
-                # No cancel in the protocol: the request stays queued and is served; we only
-                # stop waiting for it. docs/gateway.md, "What is missing".
                 log.info("gateway_client_disconnected", request_id=rid)
+                await self._cancel(rid, "the HTTP client disconnected")
                 raise _ClientGone
             log.warning("gateway_timeout", request_id=rid, timeout_s=self.settings.timeout_s)
+            await self._cancel(rid, "the gateway's timeout passed")
             raise GatewayError(
                 504,
-                f"no reply within {self.settings.timeout_s:g} s; the request stays queued",
+                f"no reply within {self.settings.timeout_s:g} s; the request was cancelled",
                 type="timeout_error",
                 code="timeout",
             )
@@ -495,6 +495,15 @@ class _Gateway:
             ) from None
         finally:
             self.client.forget(rid)
+
+    async def _cancel(self, rid: str, reason: str) -> None:
+        """Withdraw the request nobody waits for any more; its late reply is dropped. A cancel
+        that cannot be published (broker down) leaves the request to run: logged, not raised."""
+        try:
+            await asyncio.wait_for(self.client.cancel(rid, reason), self.settings.timeout_s)
+            log.info("gateway_request_cancelled", request_id=rid, reason=reason)
+        except Exception as exc:  # noqa: BLE001 - best effort: the caller is already gone
+            log.warning("gateway_cancel_failed", request_id=rid, error=type(exc).__name__)
 
     def _result(self, reply: Reply) -> ResultMessage:
         if isinstance(reply, ErrorMessage):

@@ -25,6 +25,7 @@ class RequestStatus(StrEnum):
     REJECTED = "rejected"
     REQUEUED = "requeued"
     DEAD_LETTERED = "dead_lettered"
+    CANCELLED = "cancelled"
 
 
 INSTANCE_STATUSES: frozenset[str] = frozenset({"alive", "draining", "lost", "gone"})
