@@ -150,7 +150,7 @@ def compare_case(
         groups=n_groups,
         queues=n_queues,
         seed=seed,
-        requests=int(p.weight.sum()),
+        requests=int(p.requests.sum()),
         greedy_met=evaluate_queues(p, incumbent).met_weight,
         ours_met=ours_eval.met_weight,
         ours_score=round(ours_eval.score, 4),

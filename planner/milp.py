@@ -53,6 +53,12 @@ class GroupProblem:
     init_model: np.ndarray  # (I,) model index active at the start, -1: unknown (no switch)
     switch: np.ndarray  # (I, M) seconds to switch to each model
     priority: np.ndarray | None = None  # (G,) groups placed first (starving), bool
+    # (G,) requests per group when ``weight`` is not a count (objective = service-gain)
+    size: np.ndarray | None = None
+
+    @property
+    def requests(self) -> np.ndarray:
+        return self.weight if self.size is None else self.size
 
     @property
     def n_groups(self) -> int:
@@ -76,6 +82,7 @@ class GroupProblem:
             np.concatenate([self.init_model, np.full(count, -1)]),
             np.vstack([self.switch, self.switch[rep]]),
             self.priority,
+            self.size,
         )
 
 

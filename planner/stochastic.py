@@ -50,6 +50,7 @@ from planner.milp import (
 from qlm.estimator import HardwareProfile, OutputLengthModel, RCTEstimator
 from qlm.grouping import GroupIndex, GroupingConfig, build_groups, request_features
 from qlm.policy import Plan, PlanInstance, PlanRequest, QueuePolicy
+from qlm.service_gain import W_IN, W_OUT
 
 log = structlog.get_logger(__name__)
 
@@ -84,6 +85,9 @@ class QLMConfig:
     starvation_factor: float = 1.0  # overdue by more than this × own SLO: served first
     scale_up_max: int = 256
     balance_factor: float = 2.0  # place(): leave a group's queue above this × the lightest
+    # what the plan maximises: "attainment" (requests meeting their SLO, the QLM paper) or
+    # "service-gain" (Tempo: w_in·prompt + w_out·output tokens of the requests meeting it)
+    objective: str = "attainment"
 
     def __post_init__(self) -> None:
         if not 0.5 <= self.slo_quantile < 1:
@@ -92,6 +96,8 @@ class QLMConfig:
             raise ValueError("budget_clock must be 'wall' or 'work'")
         if self.time_budget_s < 0 or self.head_groups < 1:
             raise ValueError("time_budget_s must be >= 0 and head_groups >= 1")
+        if self.objective not in ("attainment", "service-gain"):
+            raise ValueError("objective must be 'attainment' or 'service-gain'")
 
 
 @dataclass
@@ -107,6 +113,9 @@ class _Priced:
     e2e: np.ndarray  # e2e deadline only, s from now
     ttft: np.ndarray  # ttft deadline, s from now
     seq: np.ndarray
+    # what meeting each request's SLO is worth: 1 (attainment), or its expected service gain
+    # over the mean one (service-gain; normalised so the tie-break weights keep their scale)
+    value: np.ndarray
 
 
 class QLMPolicy(QueuePolicy):
@@ -384,8 +393,8 @@ class QLMPolicy(QueuePolicy):
 
         scored = []
         for name, qs in candidates:
-            met, _ = self._evaluate(qs, priced, hw, live, models)
-            scored.append((name, qs, met))
+            met, worth, _ = self._evaluate(qs, priced, hw, live, models)
+            scored.append((name, qs, met, worth))
         n_deadline = int(np.isfinite(priced.deadline[servable]).sum() + (~servable).sum() * 0)
         best_met = max(s[2] for s in scored)
         feasible = best_met >= int(servable.sum())
@@ -396,10 +405,15 @@ class QLMPolicy(QueuePolicy):
             if not feasible
             else {"improved": 0, "greedy": 1, "edf": 2}
         )
-        name, chosen, met = max(scored, key=lambda s: (s[2], -order[s[0]]))
+        by_gain = self.config.objective == "service-gain"
+        name, chosen, met, worth = max(
+            scored, key=lambda s: (s[3] if by_gain else s[2], -order[s[0]])
+        )
         meta.update(
             chosen=name,
+            objective=self.config.objective,
             predicted_met=met,
+            predicted_value=round(worth, 3),
             predicted_attainment=(met + int((~servable).sum() and 0)) / max(len(reqs), 1),
             candidates={s[0]: s[2] for s in scored},
             feasible=bool(feasible),
@@ -412,7 +426,7 @@ class QLMPolicy(QueuePolicy):
             )
         else:
             meta["scale_up"] = {"needed": False}
-        _, detail = self._evaluate(chosen, priced, hw, live, models, detail=True)
+        _, _, detail = self._evaluate(chosen, priced, hw, live, models, detail=True)
         meta["lso"] = self._lso(chosen, priced, hw, live, models, grouping)
         for g, ids in enumerate(chosen):
             queues_out[live[g].instance_id] = [reqs[i].request_id for i in ids]
@@ -442,6 +456,10 @@ class QLMPolicy(QueuePolicy):
             (r.ttft_deadline if r.ttft_deadline is not None else inf for r in reqs), float, n
         )
         seq = np.fromiter((r.seq for r in reqs), np.int64, n)
+        value = np.ones(n)
+        if self.config.objective == "service-gain" and n:
+            gain = W_IN * prompt + W_OUT * out_mean
+            value = gain / max(float(gain.mean()), 1e-9)
         return _Priced(
             reqs,
             model_idx,
@@ -452,6 +470,7 @@ class QLMPolicy(QueuePolicy):
             e2e - now,
             ttft - now,
             seq,
+            value,
         )
 
     def _profiles(
@@ -503,6 +522,7 @@ class QLMPolicy(QueuePolicy):
         G, n_inst, M = len(grouping.groups), len(live), len(models)
         z = self.z
         weight = np.zeros(G)
+        size = np.zeros(G)
         deadline = np.full(G, np.inf)
         model = np.zeros(G, np.int64)
         dur = np.full((G, n_inst), np.inf)
@@ -514,7 +534,8 @@ class QLMPolicy(QueuePolicy):
         arrival = np.zeros(G)
         for gi, grp in enumerate(grouping.groups):
             mem = grp.members
-            weight[gi] = len(mem)
+            size[gi] = len(mem)
+            weight[gi] = float(priced.value[mem].sum())
             deadline[gi] = float(priced.deadline[mem].min())
             model[gi] = int(priced.model_idx[mem[0]])
             arrival[gi] = priced.reqs[int(mem[0])].arrival_time
@@ -523,7 +544,7 @@ class QLMPolicy(QueuePolicy):
                 priced.out_mean[mem].sum(),
                 priced.out_var[mem].sum(),
             )
-        n_arr = weight
+        n_arr = size
         # starvation guard: overdue by more than starvation_factor × its own SLO
         slo_len = np.maximum(deadline + now - arrival, 1e-3)
         prio = np.isfinite(deadline) & (-deadline > self.config.starvation_factor * slo_len)
@@ -544,7 +565,7 @@ class QLMPolicy(QueuePolicy):
         switch = np.zeros((n_inst, M))
         for (g, m), p in hw.items():
             switch[g, m] = self._switch(live[g], p, models[m])
-        return GroupProblem(weight, deadline, model, dur, own, elig, base, init, switch, prio)
+        return GroupProblem(weight, deadline, model, dur, own, elig, base, init, switch, prio, size)
 
     # ------------------------------------------------------------------ improvement
     def improve_groups(
@@ -651,11 +672,13 @@ class QLMPolicy(QueuePolicy):
         models: list[str],
         *,
         detail: bool = False,
-    ) -> tuple[int, list[tuple[np.ndarray, np.ndarray]]]:
+    ) -> tuple[int, float, list[tuple[np.ndarray, np.ndarray]]]:
         """Requests predicted to meet their SLO with probability Δ (request level, eqs. 1-4
-        with W from the cumulative occupancy ahead): the judge between candidate plans."""
+        with W from the cumulative occupancy ahead), and what they are worth (``value``): the
+        judge between candidate plans."""
         z = self.z
         met = 0
+        worth = 0.0
         details: list[tuple[np.ndarray, np.ndarray]] = []
         for g, q in enumerate(queues):
             if len(q) == 0:
@@ -703,9 +726,10 @@ class QLMPolicy(QueuePolicy):
             first = start + prefill + z * np.sqrt(start_v)
             ok = (c_q <= priced.e2e[q]) & (first <= priced.ttft[q])
             met += int(ok.sum())
+            worth += float(priced.value[q][ok].sum())
             if detail:
                 details.append((c_q, np.where(ok, priced.deadline[q] - c_q, np.inf)))
-        return met, details
+        return met, worth, details
 
     # ------------------------------------------------------------------ LSO, scale-up
     def _lso(self, queues, priced: _Priced, hw, live, models, grouping) -> dict[str, Any]:
@@ -762,8 +786,8 @@ class QLMPolicy(QueuePolicy):
         missed = attainable & ~(ev.completion <= p.deadline)
         result: dict[str, Any] = {
             "needed": bool(missed.any()),
-            "missed_attainable_requests": int(p.weight[missed].sum()),
-            "unattainable_requests": int(p.weight[~attainable].sum()),
+            "missed_attainable_requests": int(p.requests[missed].sum()),
+            "unattainable_requests": int(p.requests[~attainable].sum()),
         }
         if not missed.any():
             return result

@@ -94,3 +94,27 @@ def test_the_simulator_reports_service_gain_per_policy() -> None:
         assert metrics["service_gain"] == pytest.approx(total, abs=0.1)
         gains[name] = total
     assert all(g > 0 for g in gains.values())
+
+
+def test_the_planner_maximises_service_gain_when_asked() -> None:
+    """One instance serving one request at a time; a long request worth far more than three
+    short ones, all due at 15 s: either the three short ones meet their SLO, or the long one
+    (and one short). Attainment takes the three; service gain takes the long one first."""
+    from planner.stochastic import QLMConfig, QLMPolicy
+    from qlm.policy import PlanInstance, PlanRequest
+
+    inst = [PlanInstance("a", ("mistral-7b",), "A100-80GB", 100_000, 1)]
+    reqs = [PlanRequest("big", "mistral-7b", 4000, 1500, 0.0, 15.0, None, seq=1)]
+    reqs += [
+        PlanRequest(f"s{k}", "mistral-7b", 50, 40, 0.0, 15.0, None, seq=2 + k) for k in range(3)
+    ]
+    by_count = QLMPolicy(QLMConfig(objective="attainment")).plan(reqs, inst, 0.0)
+    by_gain = QLMPolicy(QLMConfig(objective="service-gain")).plan(reqs, inst, 0.0)
+    assert by_count.queues["a"][-1] == "big" and by_count.meta["predicted_met"] == 3
+    assert by_gain.queues["a"][0] == "big" and by_gain.meta["objective"] == "service-gain"
+    assert by_gain.meta["predicted_met"] < by_count.meta["predicted_met"]
+    # in units of the mean request's gain: the long one alone is worth ≈ 3.7, the three short
+    # ones together ≈ 0.2
+    assert by_gain.meta["predicted_value"] > 3.5
+    with pytest.raises(ValueError, match="objective"):
+        QLMConfig(objective="revenue")
