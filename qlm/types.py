@@ -98,6 +98,27 @@ class TaskInfo(_Strict):
     )
 
 
+class StageInfo(_Strict):
+    """The call's place in a collective request (Tempo; qlm/collective.py): a program - a graph
+    of LLM calls with one deadline - made of stages whose calls run together. The stage's
+    deadline is derived from the program's by matching its graph so far against finished
+    programs of the same application; every call of the stage shares it."""
+
+    program_id: str = Field(min_length=1, max_length=128)
+    app_type: str = Field(min_length=1, max_length=64, description="the application, e.g. tot")
+    stage_id: str = Field(min_length=1, max_length=64)
+    after: list[Annotated[str, Field(min_length=1, max_length=64)]] = Field(
+        default_factory=list, max_length=64, description="stage ids this stage comes after"
+    )
+    program_slo_ms: int | None = Field(
+        default=None, gt=0, description="the whole program's deadline (time to its last token)"
+    )
+    program_started_at: float | None = Field(
+        default=None, gt=0, description="unix s the program started; absent: its first call"
+    )
+    last_stage: bool = Field(default=False, description="the program's final stage")
+
+
 class RequestMessage(_Strict):
     """A generation request, as published to the ingress exchange."""
 
@@ -112,7 +133,12 @@ class RequestMessage(_Strict):
                     "required": ["prompt_token_ids"],
                     "properties": {"prompt_token_ids": {"type": "array"}},
                 },
-            ]
+            ],
+            # a task chain's step or a program's stage, not both
+            "not": {
+                "required": ["task", "stage"],
+                "properties": {"task": {"type": "object"}, "stage": {"type": "object"}},
+            },
         }
     )
 
@@ -131,12 +157,15 @@ class RequestMessage(_Strict):
         default=None, description="producer's wall-clock submission time (unix seconds)"
     )
     task: TaskInfo | None = None
+    stage: StageInfo | None = None
 
     @model_validator(mode="after")
     def _one_prompt(self) -> RequestMessage:
         given = [x for x in (self.prompt, self.messages, self.prompt_token_ids) if x is not None]
         if len(given) != 1:
             raise ValueError("exactly one of prompt, messages, prompt_token_ids is required")
+        if self.task is not None and self.stage is not None:
+            raise ValueError("a call belongs to a task chain (task) or a program (stage), not both")
         return self
 
     def prompt_tokens(self) -> int:
@@ -209,6 +238,7 @@ class ErrorCode(StrEnum):
     ENGINE_ERROR = "engine_error"
     DELIVERY_LIMIT = "delivery_limit"
     CANCELLED = "cancelled"
+    INVALID_GRAPH = "invalid_graph"
     INTERNAL_ERROR = "internal_error"
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import heapq
+import math
 import time
 import uuid
 from collections import OrderedDict
@@ -30,6 +31,7 @@ from typing import Any
 import structlog
 
 from qlm.chains import CallDeadlines, LateTaskRule, call_deadlines
+from qlm.collective import CollectiveTracker
 from qlm.control import Completion, Evicted, Heartbeat, InstanceInfo, InstanceStatus
 from qlm.policy import Plan, PlanInstance, PlanRequest, QueuePolicy
 from qlm.types import RequestMessage
@@ -248,6 +250,7 @@ class CoordinatorCore:
         # request left the tier are skipped when met
         self.held: dict[str, list[tuple[float, int, str]]] = {}
         self.held_count = 0
+        self.collective = CollectiveTracker()  # Tempo's collective requests (qlm/collective.py)
         self.late_task_rule = late_task_rule
         self.lso = lso or LSOSettings()
         self.limits = limits or AdmissionLimits()
@@ -316,6 +319,8 @@ class CoordinatorCore:
         slo = request.slo
         # a step of a task chain gets its deadline from the task's (qlm/chains.py)
         due = call_deadlines(request, submitted, self.late_task_rule)
+        if request.stage is not None:
+            due = self._stage_deadlines(request, submitted, received_at, due)
         if due.late:
             log.info("late_task_call", request_id=rid, rule=self.late_task_rule)
         view = PlanRequest(
@@ -346,6 +351,19 @@ class CoordinatorCore:
             return tracked, "new"
         self._place(tracked, received_at)
         return tracked, "new"
+
+    def _stage_deadlines(
+        self, request: RequestMessage, submitted: float, now: float, own: CallDeadlines
+    ) -> CallDeadlines:
+        """A call of a collective program: its stage's shared deadline (or its own, if
+        earlier), judged against that; the program's deadline is its task deadline."""
+        sd = self.collective.admit(request, submitted, now)
+        stage = sd.deadline if math.isfinite(sd.deadline) else None
+        program = sd.program_deadline if math.isfinite(sd.program_deadline) else None
+        candidates = [d for d in (own.deadline, stage) if d is not None]
+        deadline = min(candidates) if candidates else None
+        late = deadline is not None and deadline <= now
+        return CallDeadlines(deadline, own.ttft_deadline, own.priority, program, late, deadline)
 
     # ---------------------------------------------------------------- cancels
     def cancel(self, request_id: str) -> tuple[str, TrackedRequest | None, EvictOrder | None]:

@@ -29,6 +29,7 @@ from qlm import amqp as qlm_amqp
 from qlm.capacity_telemetry import AutoscalerView, CapacityTelemetry
 from qlm.catalog import ModelCatalog
 from qlm.chains import LateTaskRule, is_last_step
+from qlm.collective import GraphError
 from qlm.control import (
     Completion,
     Dispatch,
@@ -340,6 +341,13 @@ class Coordinator:
         if isinstance(req, CancelMessage):
             await self._on_cancel(req, message)
             return
+        if req.request_id not in self.core.requests:
+            try:
+                self.core.collective.check(req)
+            except GraphError as exc:
+                err = InvalidRequest(ErrorCode.INVALID_GRAPH, str(exc), req.request_id)
+                await self._reject(message, err, now)
+                return
         tracked, outcome = self.core.admit(
             req,
             message,
@@ -631,6 +639,11 @@ class Coordinator:
         if t.first_token_at is not None:  # an evicted attempt produced the first tokens
             first_token_at = min(first_token_at or t.first_token_at, t.first_token_at)
         outcome = slo_outcome(t, first_token_at, c.finished_at, len(c.output_token_ids))
+        program_met = self.core.collective.finished(
+            t.request, len(c.output_token_ids), c.finished_at
+        )
+        if program_met is not None:  # this call ended its collective program
+            outcome = outcome.model_copy(update={"task_met": program_met})
         result = ResultMessage(
             request_id=t.request_id,
             model=t.request.model,
@@ -686,6 +699,7 @@ class Coordinator:
             await ctl_msg.ack()
             return
         err = ErrorMessage(request_id=t.request_id, code=ErrorCode.ENGINE_ERROR, message=f.message)
+        self.core.collective.finished(t.request, 0, time.time())
         if not await self._answer(t, err, ctl_msg):
             return
         self.store.record_finished(
@@ -743,6 +757,7 @@ class Coordinator:
             code=ErrorCode.CANCELLED,
             message="cancelled by its producer" + (f": {reason}" if reason else ""),
         )
+        self.core.collective.finished(t.request, 0, time.time())
         if not await self._answer(t, err, ctl_msg):
             return
         self.store.record_finished(
@@ -877,6 +892,7 @@ class Coordinator:
                 continue
             if self.core.promote_due(now):
                 self._pump()
+            self.core.collective.expire(now)
             for iid, moved in self.core.check_liveness(now):
                 self._record_instance(iid, "lost", now)
                 for t in self._end_cancelled(moved):
