@@ -91,7 +91,6 @@ def coordinator(
 
 
 async def _run_coordinator(s: Settings, policy_name: str, shards: int, admin_port: int) -> None:
-    from planner import create_policy
     from qlm.admin import create_admin_app, serve_admin
     from qlm.catalog import ModelCatalog
     from qlm.coordinator.core import AdmissionLimits, LSOSettings
@@ -105,7 +104,7 @@ async def _run_coordinator(s: Settings, policy_name: str, shards: int, admin_por
     await _use_measured_profiles(store)
     coord = Coordinator(
         amqp_url=s.amqp_url,
-        policy=create_policy(policy_name),
+        policy=_live_policy(policy_name, s),
         store=store,
         catalog=catalog,
         shards=shards,
@@ -183,6 +182,19 @@ def _live_autoscaler(s: Settings, coord: Any) -> Any:
         pool=pool,
         interval_s=s.autoscale_interval_s,
     )
+
+
+def _live_policy(name: str, s: Settings) -> Any:
+    """The coordinator's ordering policy; the planner's objective from QLM_PLANNER_OBJECTIVE."""
+    from planner import create_policy
+    from planner.stochastic import QLMConfig, QLMPolicy
+
+    if name == "qlm" and s.planner_objective != "attainment":
+        return QLMPolicy(QLMConfig(objective=s.planner_objective))
+    try:
+        return create_policy(name)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from e
 
 
 async def _use_measured_profiles(store: Any) -> None:

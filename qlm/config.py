@@ -50,6 +50,9 @@ class Settings(BaseSettings):
     # a task-chain call that arrives after its derived deadline: "promote" it (CATO: keep the
     # passed deadline, top priority) or "demote" it to best effort (SABER); qlm/chains.py
     late_task_rule: Literal["promote", "demote"] = "promote"
+    # what the qlm planner maximises (docs/planner.md): requests meeting their SLO, or the
+    # service gain of those requests (Tempo)
+    planner_objective: Literal["attainment", "service-gain"] = "attainment"
     # the live autoscaler (docs/capacity.md): off unless a policy is named; without a
     # command it runs dry (decisions logged, shown on GET /v1/capacity and in metrics)
     # the batch tier (docs/architecture.md): requests with ≥ batch_min_slack_s to their
