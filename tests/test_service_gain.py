@@ -118,3 +118,13 @@ def test_the_planner_maximises_service_gain_when_asked() -> None:
     assert by_gain.meta["predicted_value"] > 3.5
     with pytest.raises(ValueError, match="objective"):
         QLMConfig(objective="revenue")
+
+
+def test_the_live_coordinator_takes_the_objective_from_its_settings() -> None:
+    from qlm.cli import _live_policy
+    from qlm.config import Settings
+
+    policy = _live_policy("qlm", Settings(planner_objective="service-gain"))
+    assert policy.config.objective == "service-gain"
+    assert _live_policy("qlm", Settings()).config.objective == "attainment"
+    assert _live_policy("edf", Settings(planner_objective="service-gain")).name == "edf"
