@@ -50,20 +50,45 @@ def call_deadlines(
     request: RequestMessage, submitted: float, rule: LateTaskRule = "promote"
 ) -> CallDeadlines:
     slo = request.slo
-    own = submitted + slo.e2e_ms / 1000 if slo.e2e_ms else None
-    ttft = submitted + slo.ttft_ms / 1000 if slo.ttft_ms else None
     task = request.task
-    if task is None or task.task_slo_ms is None:
-        return CallDeadlines(own, ttft, request.priority, judged_deadline=own)
-    started = task.task_started_at if task.task_started_at is not None else submitted
-    task_deadline = started + task.task_slo_ms / 1000
-    derived = task_deadline - (task.remaining_ms or 0) / 1000
+    return chain_deadlines(
+        submitted,
+        e2e_s=slo.e2e_ms / 1000 if slo.e2e_ms else None,
+        ttft_s=slo.ttft_ms / 1000 if slo.ttft_ms else None,
+        priority=request.priority,
+        task_slo_s=task.task_slo_ms / 1000 if task and task.task_slo_ms else None,
+        task_started_at=task.task_started_at if task else None,
+        remaining_s=(task.remaining_ms or 0) / 1000 if task else 0.0,
+        rule=rule,
+    )
+
+
+def chain_deadlines(
+    submitted: float,
+    *,
+    e2e_s: float | None,
+    ttft_s: float | None,
+    priority: int = 0,
+    task_slo_s: float | None = None,
+    task_started_at: float | None = None,
+    remaining_s: float = 0.0,
+    rule: LateTaskRule = "promote",
+) -> CallDeadlines:
+    """:func:`call_deadlines` on plain numbers (seconds; any clock, as long as ``submitted``
+    and ``task_started_at`` share it): the live coordinator and the simulator both use it."""
+    own = submitted + e2e_s if e2e_s else None
+    ttft = submitted + ttft_s if ttft_s else None
+    if task_slo_s is None:
+        return CallDeadlines(own, ttft, priority, judged_deadline=own)
+    started = task_started_at if task_started_at is not None else submitted
+    task_deadline = started + task_slo_s
+    derived = task_deadline - remaining_s
     deadline = derived if own is None else min(own, derived)
     if deadline > submitted:
-        return CallDeadlines(deadline, ttft, request.priority, task_deadline, False, deadline)
+        return CallDeadlines(deadline, ttft, priority, task_deadline, False, deadline)
     if rule == "promote":
         return CallDeadlines(deadline, ttft, PROMOTED_PRIORITY, task_deadline, True, deadline)
-    return CallDeadlines(None, None, request.priority, task_deadline, True, deadline)
+    return CallDeadlines(None, None, priority, task_deadline, True, deadline)
 
 
 def is_last_step(request: RequestMessage) -> bool:

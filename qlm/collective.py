@@ -45,7 +45,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import structlog
 
-from qlm.types import RequestMessage
+from qlm.chains import CallDeadlines
+from qlm.types import RequestMessage, StageInfo
 
 log = structlog.get_logger(__name__)
 
@@ -204,12 +205,24 @@ class CollectiveTracker:
 
     def admit(self, request: RequestMessage, submitted: float, now: float) -> StageDeadline:
         """The shared deadline of the call's stage (computed when the stage starts)."""
-        info = request.stage
-        assert info is not None
+        assert request.stage is not None
+        e2e_s = request.slo.e2e_ms / 1000 if request.slo.e2e_ms else None
+        return self.admit_stage(request.stage, request.prompt_tokens(), e2e_s, submitted, now)
+
+    def admit_stage(
+        self,
+        info: StageInfo,
+        prompt_tokens: int,
+        e2e_s: float | None,
+        submitted: float,
+        now: float,
+    ) -> StageDeadline:
+        """:meth:`admit` on the call's parts (the simulator's entry; times on one clock, with
+        ``info.program_started_at`` on it too when given)."""
         prog = self.programs.get(info.program_id)
         if prog is None:
             started = info.program_started_at or submitted
-            slo_s = (info.program_slo_ms or request.slo.e2e_ms or 0) / 1000
+            slo_s = info.program_slo_ms / 1000 if info.program_slo_ms else (e2e_s or 0.0)
             deadline = started + slo_s if slo_s > 0 else math.inf
             prog = _Program(info.program_id, info.app_type, started, deadline)
             self.programs[info.program_id] = prog
@@ -227,7 +240,7 @@ class CollectiveTracker:
         if info.last_stage:
             prog.last_stage = info.stage_id
         stage.open += 1
-        stage.input_tokens += request.prompt_tokens()
+        stage.input_tokens += prompt_tokens
         return StageDeadline(stage.deadline, prog.deadline, matched)
 
     def _stage_deadline(self, prog: _Program, now: float) -> tuple[float, bool]:
@@ -252,9 +265,12 @@ class CollectiveTracker:
     def finished(self, request: RequestMessage, output_tokens: int, now: float) -> bool | None:
         """A call was answered. Returns whether its program met its deadline when this call
         ended the program (its last stage has no open call left), else None."""
-        info = request.stage
-        if info is None:
+        if request.stage is None:
             return None
+        return self.finished_stage(request.stage, output_tokens, now)
+
+    def finished_stage(self, info: StageInfo, output_tokens: int, now: float) -> bool | None:
+        """:meth:`finished` on the call's stage."""
         prog = self.programs.get(info.program_id)
         stage = None if prog is None else prog.stages.get(info.stage_id)
         if prog is None or stage is None:
@@ -294,3 +310,14 @@ class CollectiveTracker:
             log.info("collective_program_expired", program_id=pid)
             del self.programs[pid]
         return gone
+
+
+def stage_call_deadlines(sd: StageDeadline, own: CallDeadlines, now: float) -> CallDeadlines:
+    """A call of a collective program: its stage's shared deadline (or its own, if earlier),
+    judged against that; the program's deadline is its task deadline."""
+    stage = sd.deadline if math.isfinite(sd.deadline) else None
+    program = sd.program_deadline if math.isfinite(sd.program_deadline) else None
+    candidates = [d for d in (own.deadline, stage) if d is not None]
+    deadline = min(candidates) if candidates else None
+    late = deadline is not None and deadline <= now
+    return CallDeadlines(deadline, own.ttft_deadline, own.priority, program, late, deadline)

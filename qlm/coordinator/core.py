@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import heapq
-import math
 import time
 import uuid
 from collections import OrderedDict
@@ -31,7 +30,7 @@ from typing import Any
 import structlog
 
 from qlm.chains import CallDeadlines, LateTaskRule, call_deadlines
-from qlm.collective import CollectiveTracker
+from qlm.collective import CollectiveTracker, stage_call_deadlines
 from qlm.control import Completion, Evicted, Heartbeat, InstanceInfo, InstanceStatus
 from qlm.policy import Plan, PlanInstance, PlanRequest, QueuePolicy
 from qlm.types import RequestMessage
@@ -355,15 +354,8 @@ class CoordinatorCore:
     def _stage_deadlines(
         self, request: RequestMessage, submitted: float, now: float, own: CallDeadlines
     ) -> CallDeadlines:
-        """A call of a collective program: its stage's shared deadline (or its own, if
-        earlier), judged against that; the program's deadline is its task deadline."""
-        sd = self.collective.admit(request, submitted, now)
-        stage = sd.deadline if math.isfinite(sd.deadline) else None
-        program = sd.program_deadline if math.isfinite(sd.program_deadline) else None
-        candidates = [d for d in (own.deadline, stage) if d is not None]
-        deadline = min(candidates) if candidates else None
-        late = deadline is not None and deadline <= now
-        return CallDeadlines(deadline, own.ttft_deadline, own.priority, program, late, deadline)
+        """A call of a collective program: its stage's shared deadline (qlm/collective.py)."""
+        return stage_call_deadlines(self.collective.admit(request, submitted, now), own, now)
 
     # ---------------------------------------------------------------- cancels
     def cancel(self, request_id: str) -> tuple[str, TrackedRequest | None, EvictOrder | None]:
