@@ -36,6 +36,8 @@ from typing import Any, Protocol
 import structlog
 
 from qlm.admission import SLOAdmissionGate, required_speed
+from qlm.chains import CallDeadlines, LateTaskRule, chain_deadlines
+from qlm.collective import CollectiveTracker, stage_call_deadlines
 from qlm.engine_model import EngineProfile, get_profile
 from qlm.policy import Plan, PlanRequest, QueuePolicy
 from qlm.service_gain import service_gain
@@ -94,6 +96,9 @@ class SimConfig:
     speed_models: Mapping[str, Mapping[str, Callable[[int], float]]] = field(default_factory=dict)
     saber_window: int = 16  # SABER's windowSize: the head of the queue it samples from
     seed: int = 0  # SABER's random pick inside the window
+    # a chain step whose task is already late: "promote" (CATO) or "demote" (SABER), as the
+    # live coordinator's QLM_LATE_TASK_RULE (qlm/chains.py)
+    late_task_rule: LateTaskRule = "promote"
 
 
 @dataclass
@@ -109,6 +114,7 @@ class RequestOutcome:
     preemptions: int
     estimated_finish_s: float | None = None
     service_gain: float = 0.0  # Tempo's effective service gain (qlm.service_gain)
+    program_id: str | None = None  # the task chain or collective program it is a call of
 
 
 @dataclass
@@ -126,6 +132,9 @@ class SimResult:
     demoted: int = 0  # SABER runs: requests moved to a low-priority queue
     # runs with a capacity controller: instance-hours and the like (ClusterSimulator docs)
     capacity: dict[str, Any] = field(default_factory=dict)
+    # one per program (task chain or collective program): (its calls' SLO class, whether its
+    # last call finished by the program's deadline, counted from its first call's arrival)
+    tasks: list[tuple[str, bool]] = field(default_factory=list)
 
     def metrics(self) -> dict[str, Any]:
         """The summary figures ``qlm bench sim`` reports."""
@@ -147,6 +156,11 @@ class SimResult:
             "throughput_rps": len(done) / span if done else 0.0,
             "goodput_rps": met / span if done else 0.0,
             "service_gain": round(sum(o.service_gain for o in self.outcomes), 1),
+            "task_attainment": (
+                sum(met for _, met in self.tasks) / len(self.tasks) if self.tasks else None
+            ),
+            "task_attainment_by_class": _by_class(self.tasks),
+            "tasks": len(self.tasks) or None,  # programs; None in a scenario without any
             "gpu_utilisation": sum(i["busy_s"] for i in inst) / total_time,
             "kv_utilisation": sum(i["kv_token_s"] for i in inst)
             / (sum(i["kv_capacity"] * i["time_s"] for i in inst) or float("nan")),
@@ -173,6 +187,13 @@ class SimResult:
         return out
 
 
+def _by_class(pairs: Sequence[tuple[str, bool]]) -> dict[str, float]:
+    classes: dict[str, list[bool]] = {}
+    for c, met in pairs:
+        classes.setdefault(c, []).append(met)
+    return {c: sum(v) / len(v) for c, v in sorted(classes.items())}
+
+
 def _since(t: float | None, start: float) -> float | None:
     return None if t is None else t - start
 
@@ -184,7 +205,7 @@ def _quantile(sorted_values: Sequence[float], q: float) -> float | None:
     return float(sorted_values[k])
 
 
-_ARRIVAL, _STEP, _TICK, _ADOPT, _READY, _CONTROL = 0, 1, 2, 3, 4, 5
+_ARRIVAL, _STEP, _TICK, _ADOPT, _READY, _CONTROL, _ISSUE = 0, 1, 2, 3, 4, 5, 6
 
 
 class CapacityController(Protocol):
@@ -255,6 +276,24 @@ class ClusterSimulator:
             raise ValueError("replan_interval_s must be > 0")
         self.policy = policy
         self.requests = sorted(requests, key=lambda r: (r.arrival_s, r.request_id))
+        # Calls of programs (task chains, collective programs) that wait for others: issued
+        # when the last of them finishes, so only the others arrive from the workload.
+        self._roots = [r for r in self.requests if not r.after]
+        self._deps_left: dict[str, int] = {}
+        self._dependents: dict[str, list[SimRequest]] = {}
+        known = {r.request_id for r in self.requests}
+        for r in self.requests:
+            if not r.after:
+                continue
+            missing = sorted(set(r.after) - known)
+            if missing:
+                raise ValueError(f"{r.request_id} comes after unknown requests {missing}")
+            self._deps_left[r.request_id] = len(set(r.after))
+            for d in set(r.after):
+                self._dependents.setdefault(d, []).append(r)
+        self.collective = CollectiveTracker()  # the live coordinator's stage deadlines
+        self._program_start: dict[str, float] = {}
+        self._judged: dict[str, float | None] = {}
         self._progress = progress
         self._heap: list[tuple[float, int, int, Any, int]] = []
         self._seq = itertools.count()
@@ -336,8 +375,9 @@ class ClusterSimulator:
     # ------------------------------------------------------------------ main loop
     def run(self) -> SimResult:
         started = time.perf_counter()
-        reqs = self.requests
+        reqs = self._roots
         n = len(reqs)
+        total = len(self.requests)
         last_arrival = reqs[-1].arrival_s if reqs else 0.0
         end = last_arrival + self.config.drain_s
         self._push(self.config.replan_interval_s, _TICK)
@@ -351,7 +391,7 @@ class ClusterSimulator:
             t_arrival = reqs[i].arrival_s if i < n else math.inf
             t_event = self._heap[0][0] if self._heap else math.inf
             t = min(t_arrival, t_event)
-            if t > end or (i >= n and self.finished >= n):
+            if t > end or (i >= n and self.finished >= total):
                 break
             self.now = t
             self.events += 1
@@ -365,7 +405,7 @@ class ClusterSimulator:
                         self._step_done(payload)
                 elif kind == _TICK:
                     self._maybe_replan()
-                    if i < n or self.finished < n:
+                    if i < n or self.finished < total:
                         self._push(t + self.config.replan_interval_s, _TICK)
                 elif kind == _ADOPT:
                     self._adopt(payload)
@@ -374,8 +414,10 @@ class ClusterSimulator:
                 elif kind == _CONTROL:
                     assert self.controller is not None
                     self.controller.on_tick(self)
-                    if i < n or self.finished < n:
+                    if i < n or self.finished < total:
                         self._push(t + self.controller.interval_s, _CONTROL)
+                elif kind == _ISSUE:
+                    self._arrive(replace(payload, arrival_s=t))
             if self._progress is not None and t >= next_report:
                 self._progress(min(1.0, t / end) if end > 0 else 1.0)
                 next_report = t + end / 200
@@ -385,14 +427,17 @@ class ClusterSimulator:
 
     # ------------------------------------------------------------------ coordinator rules
     def _arrive(self, req: SimRequest) -> None:
+        due = self._deadlines(req)
+        self._judged[req.request_id] = due.judged_deadline
         view = PlanRequest(
             request_id=req.request_id,
             model=req.model,
             prompt_tokens=req.prompt_tokens,
             max_tokens=req.max_tokens,
             arrival_time=req.arrival_s,
-            deadline=req.arrival_s + req.e2e_slo_s if req.e2e_slo_s is not None else None,
-            ttft_deadline=req.arrival_s + req.ttft_slo_s if req.ttft_slo_s is not None else None,
+            deadline=due.deadline,
+            ttft_deadline=due.ttft_deadline,
+            priority=due.priority,
             slo_class=req.slo_class,
             seq=len(self.jobs) + 1,
         )
@@ -402,6 +447,27 @@ class ClusterSimulator:
         self._maybe_replan()
         if target is not None:
             self._feed(self.instances[target])
+
+    def _deadlines(self, req: SimRequest) -> CallDeadlines:
+        """The call's deadlines as the live coordinator derives them: its own SLO, a chain
+        step's from its task (qlm/chains.py), a stage's shared one (qlm/collective.py)."""
+        now = req.arrival_s
+        started = None
+        if req.program_id is not None:
+            started = self._program_start.setdefault(req.program_id, now)
+        due = chain_deadlines(
+            now,
+            e2e_s=req.e2e_slo_s,
+            ttft_s=req.ttft_slo_s,
+            task_slo_s=req.task_slo_s,
+            task_started_at=started,
+            remaining_s=req.remaining_s,
+            rule=self.config.late_task_rule,
+        )
+        if req.stage is not None:
+            sd = self.collective.admit_stage(req.stage, req.prompt_tokens, req.e2e_slo_s, now, now)
+            due = stage_call_deadlines(sd, due, now)
+        return due
 
     def _place(self, job: SimJob) -> str | None:
         live = [inst.plan_view() for inst in self.instances.values()]
@@ -583,6 +649,15 @@ class ClusterSimulator:
             prompt_tokens=job.req.prompt_tokens,
             max_tokens=job.req.max_tokens,
         )
+        req = job.req
+        if req.stage is not None:
+            self.collective.finished_stage(req.stage, job.generated, now)
+        for nxt in self._dependents.pop(req.request_id, ()):
+            left = self._deps_left[nxt.request_id] - 1
+            self._deps_left[nxt.request_id] = left
+            if left == 0:  # the program's next call: issued after the tool / think time
+                del self._deps_left[nxt.request_id]
+                self._push(now + nxt.think_s, _ISSUE, nxt)
 
     # ------------------------------------------------------------------ capacity changes
     def add_instance(self, spec: InstanceSpec, ready_in_s: float) -> None:
@@ -773,8 +848,17 @@ class ClusterSimulator:
         for job in self.jobs.values():
             req = job.req
             met = job.finished_s is not None
-            if met and req.e2e_slo_s is not None:
-                met = job.finished_s - req.arrival_s <= req.e2e_slo_s  # type: ignore[operator]
+            e2e_slo_s = req.e2e_slo_s
+            if req.program_id is not None:  # judged against its derived deadline
+                judged = self._judged.get(req.request_id)
+                e2e_slo_s = None if judged is None else judged - req.arrival_s
+            if met and e2e_slo_s is not None:
+                met = job.finished_s - req.arrival_s <= e2e_slo_s  # type: ignore[operator]
+            if met and req.tbt_slo_s is not None and job.generated > 1:
+                # the live coordinator's measure: the mean gap after the first token
+                assert job.finished_s is not None and job.first_token_s is not None
+                gap = (job.finished_s - job.first_token_s) / (job.generated - 1)
+                met = gap <= req.tbt_slo_s
             if met and req.ttft_slo_s is not None:
                 met = (
                     job.first_token_s is not None
@@ -792,23 +876,38 @@ class ClusterSimulator:
                     evictions=job.evictions,
                     preemptions=job.preemptions,
                     estimated_finish_s=self._estimates.get(req.request_id),
-                    service_gain=service_gain(
+                    # a call of a task already late when it arrived has no time to be on:
+                    # it gains nothing
+                    service_gain=0.0
+                    if e2e_slo_s is not None and e2e_slo_s <= 0
+                    else service_gain(
                         req.prompt_tokens,
                         req.output_tokens,
                         ttft_s=_since(job.first_token_s, req.arrival_s),
                         e2e_s=_since(job.finished_s, req.arrival_s),
-                        e2e_slo_s=req.e2e_slo_s,
+                        e2e_slo_s=e2e_slo_s,
                         ttft_slo_s=req.ttft_slo_s,
                     ),
+                    program_id=req.program_id,
                 )
             )
         # requests that never arrived before the end still count (as missed)
-        for req in self.requests[len(self.jobs) :]:
-            outcomes.append(
-                RequestOutcome(
-                    req.request_id, req.model, req.slo_class, req.arrival_s, None, None, False, 0, 0
+        for req in self.requests:
+            if req.request_id not in self.jobs:
+                outcomes.append(
+                    RequestOutcome(
+                        req.request_id,
+                        req.model,
+                        req.slo_class,
+                        req.arrival_s,
+                        None,
+                        None,
+                        False,
+                        0,
+                        0,
+                        program_id=req.program_id,
+                    )
                 )
-            )
         end = self.now
         stats = {}
         every = {**self.retired, **self.draining, **self.instances}
@@ -839,7 +938,31 @@ class ClusterSimulator:
             wall_s=wall,
             events=self.events,
             demoted=self.demoted,
+            tasks=self._task_outcomes(),
         )
+
+    def _task_outcomes(self) -> list[tuple[str, bool]]:
+        """Per program: met when every call finished and the last by the program's deadline
+        (its SLO counted from its first call's arrival); unstarted or unfinished: missed."""
+        last: dict[str, float | None] = {}
+        first: dict[str, SimRequest] = {}
+        for req in self.requests:
+            pid = req.program_id
+            if pid is None:
+                continue
+            first.setdefault(pid, req)
+            job = self.jobs.get(req.request_id)
+            done = job.finished_s if job is not None else None
+            prev = last.get(pid, 0.0)
+            last[pid] = None if done is None or prev is None else max(prev, done)
+        out = []
+        for pid, req in first.items():
+            start = self._program_start.get(pid)
+            end = last[pid]
+            slo = req.program_slo_s
+            met = start is not None and end is not None and (slo is None or end - start <= slo)
+            out.append((req.slo_class, met))
+        return out
 
     def _capacity_figures(self, end: float) -> dict[str, Any]:
         """Instance-hours paid (asked for → released or the end: start-up and draining

@@ -209,16 +209,23 @@ def _is_numeric_cell(value: Any) -> bool:
 
 
 def _extra_keys(summary: Mapping[str, Any]) -> list[str]:
-    """Numeric metrics beyond the known ones, in the order they first appear."""
+    """Numeric metrics beyond the known ones, in the order they first appear; a metric no
+    policy has at any point (None everywhere, e.g. task attainment without programs) gets no
+    column."""
     keys: list[str] = []
+    present: set[str] = set()
     for entry in summary["policies"].values():
         for key, value in entry.items():
-            if key in _KNOWN_KEYS or key in keys:
+            if key in _KNOWN_KEYS:
                 continue
             values = value if _is_list(value) else [value]
-            if all(_is_numeric_cell(v) for v in values):
+            if not all(_is_numeric_cell(v) for v in values):
+                continue
+            if key not in keys:
                 keys.append(key)
-    return keys
+            if any(v is not None for v in values):
+                present.add(key)
+    return [k for k in keys if k in present]
 
 
 def _classes(summary: Mapping[str, Any]) -> list[str]:
@@ -550,6 +557,19 @@ def _sweep_plots(summary: Mapping[str, Any], dest: Path) -> list[Path]:
             metric("p99_latency_s"),
         ),
     ]
+    tasks = metric("task_attainment", 100.0)
+    if any(math.isfinite(v) for values in tasks.values() for v in values):
+        # scenarios with programs (task chains, collective programs): whole-program SLOs
+        paths.append(
+            _sweep_line_plot(
+                dest / "task_attainment.png",
+                summary,
+                "task attainment",
+                "programs within their SLO (%)",
+                tasks,
+                percent=True,
+            )
+        )
     for cls, stem in _file_stems(_classes(summary)).items():
         series = {}
         for name, entry in policies.items():

@@ -37,6 +37,8 @@ SUMMARY_METRICS = (
     "throughput_rps",
     "goodput_rps",
     "service_gain",
+    "task_attainment",  # programs (task chains, collective programs) met; None without any
+    "tasks",
     "gpu_utilisation",
     "kv_utilisation",
     "model_swaps",
@@ -69,10 +71,15 @@ class PolicyVariant:
     pull_gate: str | None = None  # "qlm" | "saber" (see SimConfig.pull_gate)
     # "saber": how f(L) is profiled, "decode" (qlm profile's sweep) or "e2e" (SABER's paper)
     speed_profile: str = "decode"
+    late_task_rule: str | None = None  # the coordinator's, for late task-chain calls
 
     @property
     def engine_settings(self) -> bool:
-        return any(x is not None for x in (self.max_num_seqs, self.slo_pull, self.pull_gate))
+        """Whether the column sets anything beside the policy (engine or coordinator)."""
+        return any(
+            x is not None
+            for x in (self.max_num_seqs, self.slo_pull, self.pull_gate, self.late_task_rule)
+        )
 
     @classmethod
     def from_spec(cls, spec: VariantSpec) -> PolicyVariant:
@@ -86,6 +93,7 @@ class PolicyVariant:
             slo_pull,
             gate,
             spec.speed_profile,
+            spec.late_task_rule,
         )
 
 
@@ -156,6 +164,7 @@ def sim_config(spec: ScenarioSpec, policy_name: str, policy: QueuePolicy) -> Sim
         drain_s=opts.drain_s,
         lso=lso,
         static_batch=policy.static_batch_size,
+        late_task_rule=opts.late_task_rule,
     )
 
 
@@ -176,6 +185,8 @@ def simulate(
         config = replace(config, lso=replace(config.lso, slo_pull=variant.slo_pull))
     if variant.pull_gate is not None:
         config = replace(config, pull_gate=variant.pull_gate)
+    if variant.late_task_rule is not None:
+        config = replace(config, late_task_rule=variant.late_task_rule)  # type: ignore[arg-type]
     reqs = scenario_requests(spec) if requests is None else requests
     instances = instance_specs(spec)
     if variant.max_num_seqs is not None:
@@ -352,18 +363,25 @@ def _append(summary: dict[str, Any], label: str, metrics: dict[str, Any], *, swe
             entry.setdefault(key, []).append(metrics[key])
         else:
             entry[key] = metrics[key]
-    by_class = entry.setdefault("slo_attainment_by_class", {})
+    for key in ("slo_attainment_by_class", "task_attainment_by_class"):
+        _append_by_class(entry, key, metrics[key], sweep=sweep)
+
+
+def _append_by_class(
+    entry: dict[str, Any], key: str, values: Mapping[str, float], *, sweep: bool
+) -> None:
+    by_class = entry.setdefault(key, {})
     points = len(entry["slo_attainment"]) if sweep else 1
-    for cls, value in metrics["slo_attainment_by_class"].items():
+    for cls, value in values.items():
         if sweep:
             # a class absent at earlier points of the sweep: None there
             by_class.setdefault(cls, [None] * (points - 1)).append(value)
         else:
             by_class[cls] = value
     if sweep:
-        for values in by_class.values():
-            if len(values) < points:
-                values.append(None)  # absent at this point
+        for per_point in by_class.values():
+            if len(per_point) < points:
+                per_point.append(None)  # absent at this point
 
 
 def r_squared(estimated: Sequence[float], actual: Sequence[float]) -> float:

@@ -165,6 +165,45 @@ class LengthSpec(_Strict):
         return self
 
 
+class ProgramSpec(_Strict):
+    """Each arrival of the stream starts a program of dependent LLM calls instead of one call.
+
+    ``chain`` (CATO's agentic task): ``stages`` calls one after another; a step is issued
+    ``think_s`` (exponential, this mean: tool or user time) after the previous one finished.
+    Every call carries the task's SLA (``slo_s`` from the task's first call) and, as
+    ``remaining_s``, the producer's profile of the steps after it (``step_s`` per step).
+
+    ``tree`` (Tempo's collective request, e.g. tree-of-thought): ``stages`` stages of
+    ``fanout`` calls each; every call of a stage waits for all calls of the stage before it.
+    The program's deadline is ``slo_s`` (× the number of stages with ``slo_per_stage``); its
+    stages' deadlines come from matching against finished programs of the same ``app_type``
+    (qlm/collective.py, the live coordinator's code).
+
+    ``context: accumulate``: a later call's prompt is its parent call's prompt and output
+    followed by its own sampled prompt (an agent's growing context); ``fresh``: sampled only.
+    """
+
+    shape: Literal["chain", "tree"]
+    stages: tuple[int, int] = Field(description="min and max stages (chain: steps)")
+    fanout: tuple[int, int] = (1, 1)  # tree: min and max calls per stage
+    think_s: float = Field(default=0.0, ge=0)
+    slo_s: float = Field(gt=0)
+    slo_per_stage: bool = False
+    step_s: float | None = Field(default=None, gt=0)  # chain: None -> the engine model's
+    app_type: str | None = Field(default=None, min_length=1)  # tree: default the stream's name
+    context: Literal["accumulate", "fresh"] = "accumulate"
+
+    @model_validator(mode="after")
+    def _ranges(self) -> Self:
+        for name in ("stages", "fanout"):
+            lo, hi = getattr(self, name)
+            if not 1 <= lo <= hi:
+                raise _field_error(name, f"needs 1 <= min <= max, got [{lo}, {hi}]")
+        if self.shape == "chain" and self.fanout != (1, 1):
+            raise _field_error("fanout", "a chain has one call per step: only for shape 'tree'")
+        return self
+
+
 class StreamSpec(_Strict):
     """One stream of requests: one arrival process, one SLO class."""
 
@@ -174,11 +213,15 @@ class StreamSpec(_Strict):
     slo_class: str = Field(min_length=1)
     e2e_slo_s: float | None = Field(default=None, gt=0)
     ttft_slo_s: float | None = Field(default=None, gt=0)
+    # streaming: the mean time between output tokens (after the first) at most this
+    tbt_slo_s: float | None = Field(default=None, gt=0)
     arrival: ArrivalSpec
     lengths: LengthSpec
     max_tokens_slack: float = Field(default=1.0, ge=1)  # max_tokens = ceil(output * slack)
     start_s: float = Field(default=0.0, ge=0)
     end_s: float | None = Field(default=None, gt=0)  # default: the scenario's duration
+    # each arrival starts a program of dependent calls (ProgramSpec); arrivals count programs
+    program: ProgramSpec | None = None
 
     @model_validator(mode="after")
     def _consistent(self) -> Self:
@@ -191,8 +234,12 @@ class StreamSpec(_Strict):
             for k, weight in enumerate(self.model_weights):
                 if not weight > 0:
                     raise _field_error(f"model_weights.{k}", f"must be > 0, got {weight}")
-        if self.e2e_slo_s is None and self.ttft_slo_s is None:
-            raise _field_error("e2e_slo_s", "a stream needs e2e_slo_s and/or ttft_slo_s")
+        if self.e2e_slo_s is None and self.ttft_slo_s is None and self.program is None:
+            raise _field_error(
+                "e2e_slo_s", "a stream needs e2e_slo_s and/or ttft_slo_s (or a program's slo_s)"
+            )
+        if self.program is not None and self.lengths.source == "trace":
+            raise _field_error("lengths.source", "a program stream samples its calls' lengths")
         if self.lengths.source == "trace" and self.arrival.process != "trace":
             raise _field_error(
                 "lengths.source",
@@ -217,6 +264,9 @@ class SimOptions(_Strict):
     lso: LSOSpec = Field(default_factory=LSOSpec)
     # The LSOs are QLM's; baselines run without them (the paper's baselines have none).
     lso_policies: list[str] = Field(default_factory=lambda: ["qlm"])
+    # a task-chain call whose task is already late: promoted (CATO) or demoted (SABER), as
+    # the live coordinator's QLM_LATE_TASK_RULE
+    late_task_rule: Literal["promote", "demote"] = "promote"
 
 
 class VariantSpec(_Strict):
@@ -236,6 +286,8 @@ class VariantSpec(_Strict):
     # profile's concurrency sweep of decode speed) or "e2e" (SABER's paper: each request's
     # tokens / execution time under open-loop load at several rates)
     speed_profile: Literal["decode", "e2e"] = "decode"
+    # the coordinator's rule for calls of late tasks in this column (default: options')
+    late_task_rule: Literal["promote", "demote"] | None = None
     overrides: dict[str, Any] = Field(default_factory=dict)  # policy constructor arguments
 
 

@@ -18,7 +18,14 @@ from pathlib import Path
 import numpy as np
 import structlog
 
-from qlm.simulator.scenario import ArrivalSpec, LengthSpec, ScenarioError, ScenarioSpec, StreamSpec
+from qlm.engine_model import get_profile
+from qlm.simulator.scenario import (
+    ArrivalSpec,
+    LengthSpec,
+    ScenarioError,
+    ScenarioSpec,
+    StreamSpec,
+)
 from qlm.trace import (
     AZURE_FILES,
     TraceRecord,
@@ -26,6 +33,7 @@ from qlm.trace import (
     load_request_lengths,
     load_trace_csv,
 )
+from qlm.types import StageInfo
 
 log = structlog.get_logger(__name__)
 
@@ -44,6 +52,16 @@ class SimRequest:
     e2e_slo_s: float | None
     ttft_slo_s: float | None
     stream: str
+    tbt_slo_s: float | None = None  # streaming: mean time between tokens at most this
+    # a call of a program (ProgramSpec): it is issued think_s after the last of ``after``
+    # finished (arrival_s is then only the program's start); its task's or program's SLO
+    after: tuple[str, ...] = ()
+    think_s: float = 0.0
+    program_id: str | None = None
+    program_slo_s: float | None = None  # the whole program's, from its first call's arrival
+    task_slo_s: float | None = None  # chain: the task SLA every step carries (qlm/chains.py)
+    remaining_s: float = 0.0  # chain: the producer's expected time of the steps after it
+    stage: StageInfo | None = None  # tree: its stage (qlm/collective.py)
 
 
 @dataclass(frozen=True)
@@ -245,8 +263,10 @@ class _StreamDraw:
 
 
 def _stream_requests(spec: ScenarioSpec, index: int, stream: StreamSpec) -> _StreamDraw:
-    seeds = np.random.SeedSequence([spec.seed, index]).spawn(3)
-    arrival_rng, length_rng, model_rng = (np.random.default_rng(s) for s in seeds)
+    # the first three children are the same whatever the count: adding the program generator
+    # left every earlier stream's draws unchanged
+    seeds = np.random.SeedSequence([spec.seed, index]).spawn(4)
+    arrival_rng, length_rng, model_rng, program_rng = (np.random.default_rng(s) for s in seeds)
     start = stream.start_s
     end = min(stream.end_s if stream.end_s is not None else spec.duration_s, spec.duration_s)
     trace_rows: _TraceRows | None = None
@@ -260,14 +280,14 @@ def _stream_requests(spec: ScenarioSpec, index: int, stream: StreamSpec) -> _Str
     except ScenarioError as e:
         raise ScenarioError(f"streams.{index}.arrival.trace: {e}") from e
     n = len(times)
+    specs = [spec.model_spec(m) for m in stream.models]
+    if stream.program is not None:
+        picks = _model_picks(stream, len(specs), n, model_rng)
+        calls = _program_requests(spec, stream, times, picks, length_rng, program_rng)
+        return _StreamDraw(calls, np.fromiter((c.arrival_s for c in calls), np.float64))
     prompt, output = _sample_lengths(stream.lengths, n, length_rng, trace_rows)
 
-    specs = [spec.model_spec(m) for m in stream.models]
-    if len(specs) == 1:
-        picks = np.zeros(n, dtype=np.int64)
-    else:
-        weights = np.asarray(stream.model_weights or [1.0] * len(specs), dtype=np.float64)
-        picks = model_rng.choice(len(specs), size=n, p=weights / weights.sum())
+    picks = _model_picks(stream, len(specs), n, model_rng)
     context = np.asarray([s.max_context for s in specs], dtype=np.int64)[picks]
     output_limit = np.asarray([s.max_output_tokens for s in specs], dtype=np.int64)[picks]
     prompt, output, max_tokens = fit_lengths(
@@ -284,7 +304,7 @@ def _stream_requests(spec: ScenarioSpec, index: int, stream: StreamSpec) -> _Str
     e2e, ttft = stream.e2e_slo_s, stream.ttft_slo_s
     models = np.asarray(stream.models, dtype=object)[picks].tolist()
     requests = [
-        SimRequest(f"{name}-{k}", model, t, p, o, m, slo_class, e2e, ttft, name)
+        SimRequest(f"{name}-{k}", model, t, p, o, m, slo_class, e2e, ttft, name, stream.tbt_slo_s)
         for k, (model, t, p, o, m) in enumerate(
             zip(
                 models,
@@ -297,6 +317,131 @@ def _stream_requests(spec: ScenarioSpec, index: int, stream: StreamSpec) -> _Str
         )
     ]
     return _StreamDraw(requests, times)
+
+
+def _model_picks(stream: StreamSpec, n_models: int, n: int, rng: np.random.Generator) -> IntArray:
+    if n_models == 1:
+        return np.zeros(n, dtype=np.int64)
+    weights = np.asarray(stream.model_weights or [1.0] * n_models, dtype=np.float64)
+    return rng.choice(n_models, size=n, p=weights / weights.sum())
+
+
+# --- programs of dependent calls -------------------------------------------------------------
+
+
+def _default_step_s(spec: ScenarioSpec, stream: StreamSpec, model: str) -> float:
+    """The producer's profile of one chain step: think time plus the engine model's latency of
+    a mean-sized call running alone on the first pool serving the model."""
+    program = stream.program
+    assert program is not None
+    pool = next(p for p in spec.pools if model in p.models)
+    profile = get_profile(pool.gpu, spec.model_spec(model), tp=pool.tp)
+    prompt, output = _length_table_means(stream.lengths)
+    solo = profile.prefill_time(prompt) + profile.decode_segment_time(1, prompt, output)
+    return program.think_s + solo
+
+
+def _length_table_means(lengths: LengthSpec) -> tuple[int, int]:
+    if lengths.source == "fixed":
+        assert lengths.prompt_tokens is not None and lengths.output_tokens is not None
+        return lengths.prompt_tokens, lengths.output_tokens
+    prompt, output = _length_table(lengths.source)
+    prompt = np.clip(prompt, 1, lengths.max_prompt_tokens)
+    output = np.clip(output, 1, lengths.max_output_tokens)
+    return int(prompt.mean()), int(output.mean())
+
+
+def _program_requests(
+    spec: ScenarioSpec,
+    stream: StreamSpec,
+    starts: np.ndarray,
+    picks: IntArray,
+    length_rng: np.random.Generator,
+    rng: np.random.Generator,
+) -> list[SimRequest]:
+    """The calls of every program of a program stream (ProgramSpec), in program order."""
+    program = stream.program
+    assert program is not None
+    n = len(starts)
+    stages = rng.integers(program.stages[0], program.stages[1] + 1, n)
+    fan_lo, fan_hi = program.fanout
+    shapes = [rng.integers(fan_lo, fan_hi + 1, int(s)).tolist() for s in stages]
+    total = sum(sum(f) for f in shapes)
+    seg_prompt, seg_output = _sample_lengths(stream.lengths, total, length_rng, None)
+    seg_prompt = np.clip(seg_prompt, 1, stream.lengths.max_prompt_tokens)
+    seg_output = np.clip(seg_output, 1, stream.lengths.max_output_tokens)
+    thinks = (
+        rng.exponential(program.think_s, total) if program.think_s > 0 else np.zeros(total)
+    ).tolist()
+    model_names = [stream.models[int(k)] for k in picks]
+    step_s = {
+        m: program.step_s if program.step_s is not None else _default_step_s(spec, stream, m)
+        for m in set(model_names)
+    }
+    app_type = program.app_type or stream.name
+    chain = program.shape == "chain"
+    out: list[SimRequest] = []
+    k = 0  # the next call's row in the sampled lengths
+    for p, (start, fanouts, model) in enumerate(
+        zip(starts.tolist(), shapes, model_names, strict=True)
+    ):
+        mspec = spec.model_spec(model)
+        pid = f"{stream.name}-{p}"
+        n_stages = len(fanouts)
+        program_slo = program.slo_s * (n_stages if program.slo_per_stage else 1)
+        previous: list[SimRequest] = []
+        for stage, fanout in enumerate(fanouts):
+            current: list[SimRequest] = []
+            for call in range(fanout):
+                prompt, output = int(seg_prompt[k]), int(seg_output[k])
+                think = thinks[k] if stage else 0.0
+                k += 1
+                if previous and program.context == "accumulate":
+                    parent = previous[call % len(previous)]
+                    prompt += parent.prompt_tokens + parent.output_tokens
+                p_arr, o_arr, m_arr = fit_lengths(
+                    np.asarray([prompt]),
+                    np.asarray([output]),
+                    max_context=mspec.max_context,
+                    max_output_tokens=mspec.max_output_tokens,
+                    slack=stream.max_tokens_slack,
+                )
+                rid = f"{pid}.{stage}" if chain else f"{pid}.{stage}.{call}"
+                info = None
+                if not chain:
+                    info = StageInfo(
+                        program_id=pid,
+                        app_type=app_type,
+                        stage_id=f"s{stage}",
+                        after=[f"s{stage - 1}"] if stage else [],
+                        program_slo_ms=max(1, round(program_slo * 1000)),
+                        last_stage=stage == n_stages - 1,
+                    )
+                current.append(
+                    SimRequest(
+                        rid,
+                        model,
+                        start,
+                        int(p_arr[0]),
+                        int(o_arr[0]),
+                        int(m_arr[0]),
+                        stream.slo_class,
+                        stream.e2e_slo_s,
+                        stream.ttft_slo_s,
+                        stream.name,
+                        stream.tbt_slo_s,
+                        after=tuple(r.request_id for r in previous),
+                        think_s=think,
+                        program_id=pid,
+                        program_slo_s=program_slo,
+                        task_slo_s=program_slo if chain else None,
+                        remaining_s=(n_stages - 1 - stage) * step_s[model] if chain else 0.0,
+                        stage=info,
+                    )
+                )
+            out.extend(current)
+            previous = current
+    return out
 
 
 def build_requests(spec: ScenarioSpec) -> list[SimRequest]:
