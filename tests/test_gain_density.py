@@ -93,7 +93,7 @@ def test_the_mixed_scenario_checks_tempos_targets_against_fcfs() -> None:
     from qlm.simulator.targets import check_mixed
 
     spec = PRESETS["mixed"].spec()
-    assert {s.slo_class for s in spec.streams} == {"streaming", "throughput"}
+    assert {s.slo_class for s in spec.streams} == {"streaming", "throughput", "collective"}
     summary = {
         "sweep": {"values": [1, 2], "variants": ["6", "18"]},
         "policies": {

@@ -61,6 +61,27 @@ def _stream(
     }
 
 
+def _program_stream(
+    name: str, models: list[str], call_rate: float, program: dict[str, Any], lengths: dict
+) -> dict[str, Any]:
+    """A stream of programs (ProgramSpec) carrying ``call_rate`` LLM calls per second on
+    average (program arrivals = calls / mean calls per program); the calls' deadlines come
+    from the program's SLO, so they carry no end-to-end SLO of their own."""
+    stages, fanout = program["stages"], program.get("fanout", [1, 1])
+    mean_calls = (stages[0] + stages[1]) / 2 * (fanout[0] + fanout[1]) / 2
+    stream = _stream(
+        name,
+        models,
+        call_rate / mean_calls,
+        name,
+        program["slo_s"],
+        lengths=lengths,
+        program=program,
+    )
+    del stream["e2e_slo_s"]
+    return stream
+
+
 def _pool(gpu: str, count: int, models: list[str], **extra: Any) -> dict[str, Any]:
     return {"gpu": gpu, "count": count, "models": models, **extra}
 
@@ -461,25 +482,50 @@ MIXED_RATES = [6.0, 10.0, 14.0, 18.0]
 MIXED_POLICIES = ["gain_density", "qlm", "edf", "fcfs"]
 
 
+# Tempo's collective requests in the mixed workload: tree-of-thought-like programs of 2-3
+# stages of 2-3 calls, each stage continuing one call of the stage before (its prompt and
+# output carried as context); deadline 20 s per stage (Tempo: 20 s × stages)
+MIXED_COLLECTIVE: dict[str, Any] = {
+    "shape": "tree",
+    "stages": [2, 3],
+    "fanout": [2, 3],
+    "slo_s": 20.0,
+    "slo_per_stage": True,
+    "app_type": "tot",
+}
+
+
 def _mixed_streams(total: float) -> list[dict[str, Any]]:
-    """Tempo's streaming : throughput = 3 : 1 (its third kind, collective requests, needs
-    request graphs the simulator does not model yet): streaming requests have a 2 s TTFT SLO,
-    throughput ones a 20 s last-token SLO."""
-    streaming = _stream("streaming", ["mistral-7b"], total * 0.75, "streaming", 20.0)
+    """Tempo's streaming : throughput : collective = 3 : 1 : 1 in LLM calls (a collective
+    program's arrivals are scaled by its mean number of calls): streaming requests have a 2 s
+    TTFT and 100 ms mean time-between-tokens SLO, throughput ones a 20 s last-token SLO,
+    collective programs 20 s per stage for the whole program (stage deadlines derived by
+    qlm/collective.py's graph matching, as live)."""
+    streaming = _stream("streaming", ["mistral-7b"], total * 0.6, "streaming", 20.0)
     del streaming["e2e_slo_s"]
     streaming["ttft_slo_s"] = 2.0
+    streaming["tbt_slo_s"] = 0.1
+    collective = _program_stream(
+        "collective",
+        ["mistral-7b"],
+        total * 0.2,
+        MIXED_COLLECTIVE,
+        {"source": "sharegpt", "max_prompt_tokens": 1024, "max_output_tokens": 512},
+    )
     return [
         streaming,
-        _stream("throughput", ["mistral-7b"], total * 0.25, "throughput", 20.0),
+        _stream("throughput", ["mistral-7b"], total * 0.2, "throughput", 20.0),
+        collective,
     ]
 
 
 def mixed() -> dict[str, Any]:
     return {
         "name": "mixed",
-        "description": "Tempo's mixed SLOs: streaming (TTFT 2 s) and throughput (last token "
-        "20 s) requests 3 : 1 on 2 A100s for 5 minutes, arrival rate swept into overload; "
-        "service gain and SLO goodput against FCFS and EDF",
+        "description": "Tempo's mixed SLOs: streaming (TTFT 2 s, TBT 100 ms), throughput (last "
+        "token 20 s) and collective (tree programs, 20 s per stage) calls 3 : 1 : 1 on 2 A100s "
+        "for 5 minutes, arrival rate swept into overload; service gain, SLO goodput and task "
+        "attainment against FCFS and EDF",
         "duration_s": 300,
         "pools": [_pool("A100-80GB", 2, ["mistral-7b"])],
         "streams": _mixed_streams(MIXED_RATES[0]),
@@ -648,6 +694,89 @@ def coding_calibration(
     return {name: sum(v) / len(v) for name, v in latencies.items() if v}
 
 
+# ---------------------------------------------------------------------------- agentic programs
+AGENTIC_RATES = [4.0, 8.0, 12.0, 16.0]  # LLM calls per second, all streams together
+AGENTIC_POLICIES = ["qlm", "edf", "gain_density", "fcfs"]
+# CATO's multi-call tasks as a ReAct-style agent: 3-8 steps, each issued after an exponential
+# 2 s tool time, its prompt the context so far plus the tool's result; SLA 15 s per step
+AGENTIC_CHAIN: dict[str, Any] = {
+    "shape": "chain",
+    "stages": [3, 8],
+    "think_s": 2.0,
+    "slo_s": 15.0,
+    "slo_per_stage": True,
+}
+# Tempo's collective requests as a tree-of-thought search: 2-4 stages of 2-4 parallel
+# expansions, 20 s per stage
+AGENTIC_TREE: dict[str, Any] = {
+    "shape": "tree",
+    "stages": [2, 4],
+    "fanout": [2, 4],
+    "slo_s": 20.0,
+    "slo_per_stage": True,
+    "app_type": "tot",
+}
+
+
+def _agentic_streams(total: float) -> list[dict[str, Any]]:
+    """Chat calls (20 s end to end) beside agents' task chains and tree-of-thought programs,
+    40 : 30 : 30 in LLM calls (program arrivals scaled by their mean calls)."""
+    agent = _program_stream(
+        "agent",
+        ["mistral-7b"],
+        total * 0.3,
+        AGENTIC_CHAIN,
+        {"source": "sharegpt", "max_prompt_tokens": 1024, "max_output_tokens": 384},
+    )
+    tree = _program_stream(
+        "tot",
+        ["mistral-7b"],
+        total * 0.3,
+        AGENTIC_TREE,
+        {"source": "sharegpt", "max_prompt_tokens": 512, "max_output_tokens": 256},
+    )
+    return [_stream("chat", ["mistral-7b"], total * 0.4, "chat", INTERACTIVE_SLO_S), agent, tree]
+
+
+def agentic(duration_s: float = 300.0, rates: list[float] | None = None) -> dict[str, Any]:
+    """Agentic work: chains and trees of dependent calls. A chain step is issued only when
+    the step before it has finished (plus its tool time), so a policy that delays one step
+    delays the rest of the task; each step's deadline is the task's SLA less the producer's
+    profile of the steps after it (qlm/chains.py, as live). A tree's stage starts when the
+    whole stage before it has finished; its calls share the stage deadline the coordinator
+    derives from finished programs (qlm/collective.py, as live). EDF runs twice: with CATO's
+    rule for calls of a task already late (promote) and SABER's (demote to best effort); qlm
+    runs with and without its SLO-aware pull gate, which holds chain steps back (measured:
+    docs/simulator.md)."""
+    rates = list(AGENTIC_RATES if rates is None else rates)
+    return {
+        "name": "agentic",
+        "description": "Agentic programs: chat calls (20 s) beside ReAct-style task chains "
+        "(3-8 steps, 2 s tool time, 15 s per step) and tree-of-thought programs (2-4 stages of "
+        "2-4 calls, 20 s per stage), 40 : 30 : 30 in calls on 2 A100s for 5 minutes, "
+        f"{rates[0]:g}-{rates[-1]:g} calls/s; task attainment and SLO attainment per policy, "
+        "late tasks promoted (CATO) or demoted (SABER)",
+        "duration_s": duration_s,
+        "pools": [_pool("A100-80GB", 2, ["mistral-7b"])],
+        "streams": _agentic_streams(rates[0]),
+        "policies": AGENTIC_POLICIES,
+        "options": {"drain_s": 900},
+        "variants": [
+            {"name": "qlm", "policy": "qlm"},
+            # the same planner and LSOs without the SLO-aware pull gate (qlm.admission)
+            {"name": "qlm-no-gate", "policy": "qlm", "admission": "none"},
+            {"name": "edf", "policy": "edf"},
+            {"name": "edf-demote", "policy": "edf", "late_task_rule": "demote"},
+        ],
+        "sweep": {
+            "parameter": "streams",
+            "label": "arrival rate (calls/s)",
+            "values": [_agentic_streams(r) for r in rates],
+            "variants": [f"{r:g}" for r in rates],
+        },
+    }
+
+
 PRESETS: dict[str, Preset] = {
     p.name: p
     for p in (
@@ -678,6 +807,12 @@ PRESETS: dict[str, Preset] = {
             "saber",
             saber,
             "SABER's admission >= the best static max-num-seqs at every rate >= 5 req/s",
+        ),
+        Preset(
+            "agentic",
+            agentic,
+            "task attainment per policy with chains and trees of calls (no numeric target: "
+            "issue 7 asks for the scenario)",
         ),
         Preset(
             "coding",
