@@ -634,9 +634,11 @@ def coding(
 
     * **Cluster**: the 6 CodeLlama-7B replicas that serve the first LLM call of every task (the
       call that decides a TTFT SLA, and the only call of completion and summarisation). The
-      simulator has no request chains yet, so the StarCoder2-7B validation call of generation
-      and translation (and its 6 replicas) is left out; translation's end-to-end latency is
-      then that of its translating call. CodeLlama-7B is not in the catalog: Mistral-7B is its
+      StarCoder2-7B validation call of generation and translation (and its 6 replicas) is left
+      out: it cannot change generation's TTFT, and a chain whose steps use different models
+      needs per-step models, which the simulator's programs (ProgramSpec) do not have yet;
+      translation's end-to-end latency is then that of its translating call (chains run in
+      the ``agentic`` scenario). CodeLlama-7B is not in the catalog: Mistral-7B is its
       stand-in (same 7B size, its own weights as ``mistral-7b@codellama-7b``; GQA gives it more
       KV room than CodeLlama, which does not matter at one request per replica);
     * **GPUs**: A100-80GB, the simulator's common ground (CATO ran Ascend 910B4 cards);
