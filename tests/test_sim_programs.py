@@ -6,6 +6,8 @@ judged per program."""
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from planner import create_policy
 from qlm.simulator.cluster import ClusterSimulator, InstanceSpec, SimConfig
@@ -293,3 +295,45 @@ def test_the_agentic_scenario_reports_task_attainment_per_policy(tmp_path):
         assert set(entry["task_attainment_by_class"]) == {"agent", "tot"}
         assert all(n > 0 for n in entry["tasks"])
         assert len(entry["service_gain"]) == 2
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    shapes=st.lists(
+        st.tuples(
+            st.sampled_from(["chain", "tree"]),
+            st.integers(1, 4),  # stages
+            st.integers(1, 3),  # fanout (trees)
+            st.floats(0.0, 30.0),  # start
+            st.floats(0.0, 3.0),  # think time
+        ),
+        min_size=1,
+        max_size=6,
+    ),
+    policy=st.sampled_from(["fcfs", "edf", "gain_density"]),
+)
+def test_every_call_runs_once_and_only_after_what_it_depends_on(shapes, policy):
+    reqs: list[SimRequest] = []
+    for p, (shape, stages, fanout, start, think) in enumerate(shapes):
+        if shape == "chain":
+            steps = chain(f"c{p}", stages, sla=30.0, step_s=2.0, think=think, start=start)
+            reqs += steps
+            continue
+        for stage in range(stages):
+            calls = stage_calls(f"t{p}", stage, fanout, stage == stages - 1, 20.0 * stages)
+            for c in calls:
+                c.arrival_s = start
+                c.think_s = think if stage else 0.0
+            reqs += calls
+    sim, result = simulate(reqs, policy=policy, drain_s=3600.0)
+    done = {o.request_id: o for o in result.outcomes}
+    assert len(done) == len(reqs) == len(result.outcomes)  # each call once
+    for r in reqs:
+        o = done[r.request_id]
+        assert o.finished_s is not None  # the drain lets everything finish
+        for dep in r.after:
+            before = done[dep]
+            assert before.finished_s is not None
+            assert o.arrival_s >= before.finished_s + r.think_s - 1e-9
+    assert len(result.tasks) == len(shapes)
+    assert result.metrics()["tasks"] == len(shapes)
