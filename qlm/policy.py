@@ -116,8 +116,9 @@ class QueuePolicy(ABC):
     ) -> PlanInstance | None:
         """Least queued work, in seconds of the instance's token throughput for this model
         (so a faster GPU takes proportionally more), among instances that serve the model; on
-        a tie (empty queues, when agents pull as fast as work arrives) the one running the
-        fewest requests, then one whose active model already matches (no model switch)."""
+        a tie (empty queues, when agents pull as fast as work arrives) one whose active model
+        already matches (no model switch), then the one running the fewest requests (so light
+        load spreads over the instances instead of piling onto the first)."""
         eligible = [i for i in instances if i.serves(request.model)]
         if not eligible:
             return None
@@ -125,8 +126,8 @@ class QueuePolicy(ABC):
             eligible,
             key=lambda i: (
                 load.get(i.instance_id, 0.0) / token_rate(i.gpu_type, request.model),
-                i.running,
                 i.active_model != request.model,
+                i.running,
                 i.instance_id,
             ),
         )
