@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import structlog
 
+from qlm.chains import LateTaskRule
 from qlm.policy import QueuePolicy
 from qlm.simulator.cluster import (
     ClusterSimulator,
@@ -71,7 +72,7 @@ class PolicyVariant:
     pull_gate: str | None = None  # "qlm" | "saber" (see SimConfig.pull_gate)
     # "saber": how f(L) is profiled, "decode" (qlm profile's sweep) or "e2e" (SABER's paper)
     speed_profile: str = "decode"
-    late_task_rule: str | None = None  # the coordinator's, for late task-chain calls
+    late_task_rule: LateTaskRule | None = None  # the coordinator's, for late task-chain calls
 
     @property
     def engine_settings(self) -> bool:
@@ -186,7 +187,7 @@ def simulate(
     if variant.pull_gate is not None:
         config = replace(config, pull_gate=variant.pull_gate)
     if variant.late_task_rule is not None:
-        config = replace(config, late_task_rule=variant.late_task_rule)  # type: ignore[arg-type]
+        config = replace(config, late_task_rule=variant.late_task_rule)
     reqs = scenario_requests(spec) if requests is None else requests
     instances = instance_specs(spec)
     if variant.max_num_seqs is not None:

@@ -19,13 +19,7 @@ import numpy as np
 import structlog
 
 from qlm.engine_model import get_profile
-from qlm.simulator.scenario import (
-    ArrivalSpec,
-    LengthSpec,
-    ScenarioError,
-    ScenarioSpec,
-    StreamSpec,
-)
+from qlm.simulator.scenario import ArrivalSpec, LengthSpec, ScenarioError, ScenarioSpec, StreamSpec
 from qlm.trace import (
     AZURE_FILES,
     TraceRecord,
@@ -392,6 +386,16 @@ def _program_requests(
         previous: list[SimRequest] = []
         for stage, fanout in enumerate(fanouts):
             current: list[SimRequest] = []
+            info = None  # the stage every call of it carries (trees)
+            if not chain:
+                info = StageInfo(
+                    program_id=pid,
+                    app_type=app_type,
+                    stage_id=f"s{stage}",
+                    after=[f"s{stage - 1}"] if stage else [],
+                    program_slo_ms=max(1, round(program_slo * 1000)),
+                    last_stage=stage == n_stages - 1,
+                )
             for call in range(fanout):
                 prompt, output = int(seg_prompt[k]), int(seg_output[k])
                 think = thinks[k] if stage else 0.0
@@ -407,16 +411,6 @@ def _program_requests(
                     slack=stream.max_tokens_slack,
                 )
                 rid = f"{pid}.{stage}" if chain else f"{pid}.{stage}.{call}"
-                info = None
-                if not chain:
-                    info = StageInfo(
-                        program_id=pid,
-                        app_type=app_type,
-                        stage_id=f"s{stage}",
-                        after=[f"s{stage - 1}"] if stage else [],
-                        program_slo_ms=max(1, round(program_slo * 1000)),
-                        last_stage=stage == n_stages - 1,
-                    )
                 current.append(
                     SimRequest(
                         rid,
