@@ -5,9 +5,11 @@
 ``migrations/`` creates.
 """
 
+from qlm.store.answers import AnswerLog, AnswerLogUnavailable, StoredAnswer
 from qlm.store.migrations import migrate, migrations_dir
 from qlm.store.models import (
     INSTANCE_STATUSES,
+    Answer,
     Base,
     EngineProfile,
     HardwareProfileRun,
@@ -22,6 +24,9 @@ from qlm.store.writer import BatchWriter, StoreStats
 
 __all__ = [
     "INSTANCE_STATUSES",
+    "Answer",
+    "AnswerLog",
+    "AnswerLogUnavailable",
     "BatchWriter",
     "Base",
     "EngineProfile",
@@ -33,6 +38,7 @@ __all__ = [
     "RequestStatus",
     "Store",
     "StoreStats",
+    "StoredAnswer",
     "migrate",
     "migrations_dir",
 ]

@@ -156,3 +156,21 @@ class HardwareProfileRun(Base):
     engine: Mapped[str] = mapped_column(sa.String(32))
     created_at: Mapped[float]
     body: Mapped[dict[str, Any]]
+
+
+class Answer(Base):
+    """The one reply a request got, written (committed) *before* the reply is published and
+    the request's delivery acked. After any coordinator restart a redelivered copy of the
+    request, a producer's re-publish of its id, or a result left in the control queue finds
+    this row: the stored reply is sent again under the same ``reply_id`` (which clients drop
+    as a copy) instead of running the request and answering a second time."""
+
+    __tablename__ = "answers"
+
+    request_id: Mapped[str] = mapped_column(sa.String(128), primary_key=True)
+    reply_id: Mapped[str] = mapped_column(sa.String(64))
+    # the tenant it was answered for: a copy from another tenant is never shown this reply
+    tenant: Mapped[str | None] = mapped_column(sa.String(128))
+    kind: Mapped[str] = mapped_column(sa.String(16))  # "result" | "error"
+    body: Mapped[str] = mapped_column(sa.Text())  # the reply message's JSON, as published
+    answered_at: Mapped[float] = mapped_column(index=True)

@@ -25,6 +25,7 @@ from pydantic import TypeAdapter, ValidationError
 from sqlalchemy import event as sa_event
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
+from qlm.store.answers import AnswerLog
 from qlm.store.migrations import migrate as upgrade_to_head
 from qlm.store.migrations import prepare_sqlite_path
 from qlm.store.models import INSTANCE_STATUSES, EngineProfile, HardwareProfileRun, RequestStatus
@@ -70,6 +71,8 @@ class Store:
             max_buffered=max_buffered,
             max_batch=max_batch,
         )
+        # written *before* each reply, awaited (not write-behind): qlm/store/answers.py
+        self.answers = AnswerLog(engine, self._insert)
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -106,6 +109,7 @@ class Store:
         Entries still unwritten after ``drain_s`` (database down) are lost and logged.
         """
         await self._writer.close(drain_s)
+        await self.answers.close()
         await self._engine.dispose()
 
     @property
