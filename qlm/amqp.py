@@ -10,24 +10,164 @@ elected. A single URL behaves exactly like ``aio_pika.connect_robust``.
 TLS: an ``amqps://`` URL connects with TLS; its query carries aio-pika's options, e.g.
 ``amqps://u:p@host:5671/?cafile=/path/ca.pem`` (verify the server against that CA) plus
 ``certfile``/``keyfile`` for a client certificate. See docs/reliability.md.
+
+Importing this module also makes pamqp's frame decoding tolerant of hostile property bytes
+(:func:`install_tolerant_decoding`): see "Hostile AMQP properties" below.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.metadata
+import re
+import struct
 import time
+from collections.abc import Callable
 from typing import Any
 from urllib.parse import quote, unquote, urlsplit
 
 import aio_pika
 import aiormq
+import pamqp.decode
 import structlog
 from aio_pika.abc import AbstractExchange, AbstractRobustConnection
 from aio_pika.robust_connection import RobustConnection
 from yarl import URL
 
 log = structlog.get_logger(__name__)
+
+
+# ------------------------------------------------------------------ hostile AMQP properties
+#
+# AMQP short strings (content_type, message_id, correlation_id, reply_to, type, app_id, user_id,
+# the routing key of a delivery, ...) and the keys of field tables (headers) are bytes on the
+# wire; RabbitMQ passes them through unchecked. pamqp decodes them with strict UTF-8 and an
+# out-of-range timestamp with datetime.fromtimestamp, and a failure anywhere in a frame makes
+# aiormq drop the whole connection ("Could not unmarshal ContentHeader frame"). One message
+# with a property that is not UTF-8 thus took the coordinator's connection down at each of its
+# 21 deliveries, stalling every other request and losing the agents' heartbeats.
+#
+# The fix: the two decoders fall back to ``errors="surrogateescape"`` (each invalid byte 0xNN
+# becomes the lone surrogate U+DCNN, which valid UTF-8 never decodes to, so the value is
+# recognisable with :func:`has_raw_bytes` and the original bytes recoverable with
+# ``value.encode("utf-8", "surrogateescape")``), and a timestamp beyond what datetime can hold
+# decodes as None (it is informational; nothing in qlm reads it). Valid input decodes exactly as
+# before: the original decoder runs first and the fallback only sees what it refused. Such a
+# value cannot be encoded again (pamqp encodes strictly), so nothing may be published with it:
+# the coordinator refuses the message (``invalid_property``) and dead-letters a sanitized copy
+# (:func:`escape_raw`). The patch is checked against the pamqp versions it was written for.
+
+_PAMQP_TESTED = ("3.", "4.")  # major versions whose decode.py has the shape patched below
+_RAW_BYTE = re.compile("[\udc80-\udcff]")
+_tolerant_installed = False
+
+
+def has_raw_bytes(value: str) -> bool:
+    """Whether a decoded AMQP string held bytes that are not UTF-8 (see above)."""
+    return _RAW_BYTE.search(value) is not None
+
+
+def escape_raw(value: str) -> str:
+    """A printable, encodable form of a decoded AMQP string: bytes that were not UTF-8 are
+    written ``\\xNN`` (so ``b"id\\xff"`` reads ``id\\xff``); valid text is unchanged."""
+    return value.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+
+
+def _tolerant_short_str(
+    strict: Callable[[bytes], tuple[int, Any]],
+) -> Callable[[bytes], tuple[int, Any]]:
+    def short_str(value: bytes) -> tuple[int, Any]:
+        try:
+            return strict(value)
+        except UnicodeDecodeError:
+            length = value[0]
+            return length + 1, value[1 : length + 1].decode("utf-8", "surrogateescape")
+
+    return short_str
+
+
+def _tolerant_field_table(
+    strict: Callable[[bytes], tuple[int, Any]],
+) -> Callable[[bytes], tuple[int, Any]]:
+    def field_table(value: bytes) -> tuple[int, Any]:
+        try:
+            return strict(value)
+        except UnicodeDecodeError:
+            pass
+        # pamqp's loop (decode.field_table, pamqp 3.x/4.x), the key decoded tolerantly. A nested
+        # table goes through TABLE_MAPPING[b"F"], i.e. this function again.
+        try:
+            (length,) = struct.unpack_from(">I", value, 0)
+            offset, end, data = 4, 4 + length, {}
+            if end > len(value):
+                raise ValueError("Field table length exceeds available data")
+            while offset < end:
+                key_length = value[offset]
+                offset += 1
+                if offset + key_length > end:
+                    raise ValueError("Field table key length exceeds data")
+                key = value[offset : offset + key_length].decode("utf-8", "surrogateescape")
+                offset += key_length
+                consumed, result = pamqp.decode.embedded_value(value[offset:])
+                offset += consumed
+                data[key] = result
+            return end, data
+        except (struct.error, IndexError, TypeError) as err:
+            raise ValueError("Could not unpack data") from err
+
+    return field_table
+
+
+def _tolerant_timestamp(
+    strict: Callable[[bytes], tuple[int, Any]],
+) -> Callable[[bytes], tuple[int, Any]]:
+    def timestamp(value: bytes) -> tuple[int, Any]:
+        try:
+            return strict(value)
+        except (OverflowError, OSError, ValueError):
+            if len(value) < 8:
+                raise
+            return 8, None  # beyond datetime's range (year 9999): dropped, not fatal
+
+    return timestamp
+
+
+def install_tolerant_decoding() -> bool:
+    """Make pamqp's decoding of short strings, field-table keys and timestamps tolerant (see
+    above). Idempotent; returns whether the patch is in place. An untested pamqp version or a
+    decode module of another shape is left alone, with a warning (tests/test_hostile_input.py
+    then fails, so an upgrade cannot drop the protection silently)."""
+    global _tolerant_installed
+    if _tolerant_installed:
+        return True
+    d = pamqp.decode
+    version = importlib.metadata.version("pamqp")
+    shaped = (
+        d.METHODS.get("shortstr") is d.short_str
+        and d.METHODS.get("table") is d.field_table
+        and d.METHODS.get("timestamp") is d.timestamp
+        and d.TABLE_MAPPING.get(b"F") is d.field_table
+        and d.TABLE_MAPPING.get(b"T") is d.timestamp
+    )
+    if not version.startswith(_PAMQP_TESTED) or not shaped:
+        log.warning("pamqp_tolerant_decoding_not_installed", pamqp_version=version, shaped=shaped)
+        return False
+    short_str = _tolerant_short_str(d.short_str)
+    field_table = _tolerant_field_table(d.field_table)
+    timestamp = _tolerant_timestamp(d.timestamp)
+    d.short_str, d.field_table, d.timestamp = short_str, field_table, timestamp  # type: ignore[assignment]
+    d.METHODS["shortstr"], d.METHODS["table"], d.METHODS["timestamp"] = (
+        short_str,
+        field_table,
+        timestamp,
+    )
+    d.TABLE_MAPPING[b"F"], d.TABLE_MAPPING[b"T"] = field_table, timestamp
+    _tolerant_installed = True
+    return True
+
+
+install_tolerant_decoding()
 
 # Publish failures worth publishing again once reconnected: the connection or channel went away
 # before the confirm, or the broker nacked the message (e.g. a quorum queue between leaders).

@@ -20,9 +20,19 @@ REPLY_ID_HEADER = "x-qlm-reply-id"
 
 RequestId = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:@/+=-]+$")]
 
+# Bounds on every number of a request, checked before anything is tracked: a 400-digit integer
+# is valid JSON and a valid Python int, but no float holds it, and deadline arithmetic raised
+# OverflowError in the middle of admission.
+MAX_SLO_MS = 30 * 24 * 3_600_000  # 30 days, in ms: the longest deadline qlm accepts
+MAX_INT32 = 2**31 - 1  # counts the engines take as C ints: max_tokens, top_k, steps
+MAX_TOKEN_ID = 2**32 - 1
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed takes
+
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # allow_inf_nan=False: NaN and ±Infinity (Python's json reads the non-standard literals
+    # NaN/Infinity, and 1e400 as inf) are refused in every float field.
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class ChatMessage(_Strict):
@@ -35,8 +45,8 @@ class SamplingParams(_Strict):
 
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=-1, ge=-1)
-    seed: int | None = None
+    top_k: int = Field(default=-1, ge=-1, le=MAX_INT32)
+    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     stop: list[str] = Field(default_factory=list, max_length=16)
     ignore_eos: bool = False
 
@@ -58,11 +68,16 @@ class SLO(_Strict):
         }
     )
 
-    e2e_ms: int | None = Field(default=None, gt=0, description="end-to-end deadline (last token)")
-    ttft_ms: int | None = Field(default=None, gt=0, description="time-to-first-token deadline")
+    e2e_ms: int | None = Field(
+        default=None, gt=0, le=MAX_SLO_MS, description="end-to-end deadline (last token)"
+    )
+    ttft_ms: int | None = Field(
+        default=None, gt=0, le=MAX_SLO_MS, description="time-to-first-token deadline"
+    )
     tbt_ms: int | None = Field(
         default=None,
         gt=0,
+        le=MAX_SLO_MS,
         description="streaming: mean time between output tokens (after the first) at most this",
     )
     slo_class: str | None = Field(
@@ -86,15 +101,21 @@ class TaskInfo(_Strict):
     task's SLA, counted from the task's start, less the expected time of the later steps."""
 
     task_id: str = Field(min_length=1, max_length=128)
-    step: int = Field(default=0, ge=0)
+    step: int = Field(default=0, ge=0, le=MAX_INT32)
     task_slo_ms: int | None = Field(
-        default=None, gt=0, description="the whole task's SLA; absent: the call keeps its own SLO"
+        default=None,
+        gt=0,
+        le=MAX_SLO_MS,
+        description="the whole task's SLA; absent: the call keeps its own SLO",
     )
     task_started_at: float | None = Field(
         default=None, gt=0, description="unix s the task started; absent: this call's submission"
     )
     remaining_ms: int | None = Field(
-        default=None, ge=0, description="expected time of the steps after this one; 0: last step"
+        default=None,
+        ge=0,
+        le=MAX_SLO_MS,
+        description="expected time of the steps after this one; 0: last step",
     )
 
 
@@ -111,7 +132,10 @@ class StageInfo(_Strict):
         default_factory=list, max_length=64, description="stage ids this stage comes after"
     )
     program_slo_ms: int | None = Field(
-        default=None, gt=0, description="the whole program's deadline (time to its last token)"
+        default=None,
+        gt=0,
+        le=MAX_SLO_MS,
+        description="the whole program's deadline (time to its last token)",
     )
     program_started_at: float | None = Field(
         default=None, gt=0, description="unix s the program started; absent: its first call"
@@ -147,14 +171,19 @@ class RequestMessage(_Strict):
     model: str = Field(min_length=1, max_length=256)
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
-    prompt_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(default=None, min_length=1)
-    max_tokens: int = Field(ge=1)
+    prompt_token_ids: list[Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]] | None = Field(
+        default=None, min_length=1
+    )
+    max_tokens: int = Field(ge=1, le=MAX_INT32)
     sampling: SamplingParams = Field(default_factory=SamplingParams)
     slo: SLO
     priority: int = Field(default=0, ge=0, le=9)
     tenant: str | None = Field(default=None, max_length=128)
     submitted_at: float | None = Field(
-        default=None, description="producer's wall-clock submission time (unix seconds)"
+        default=None,
+        ge=0,
+        description="producer's wall-clock submission time (unix seconds); the coordinator "
+        "refuses one more than 60 s ahead of its clock (submitted_in_future)",
     )
     task: TaskInfo | None = None
     stage: StageInfo | None = None
@@ -240,6 +269,9 @@ class ErrorCode(StrEnum):
     CANCELLED = "cancelled"
     INVALID_GRAPH = "invalid_graph"
     INTERNAL_ERROR = "internal_error"
+    # hostile input (docs/protocol.md, "Errors")
+    INVALID_PROPERTY = "invalid_property"
+    SUBMITTED_IN_FUTURE = "submitted_in_future"
 
 
 class ErrorMessage(_Strict):

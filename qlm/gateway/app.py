@@ -292,7 +292,14 @@ async def _read_body(request: Request, limit: int) -> bytes:
     when Content-Length says so, else while reading (chunked uploads)."""
     too_large = GatewayError(413, f"the request body exceeds {limit} bytes", code="body_too_large")
     declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
+    # isascii: str.isdigit is also true of "²" and other digits int() refuses; a length of
+    # more digits than the limit's is over it (int() would refuse beyond 4300 digits)
+    if (
+        declared is not None
+        and declared.isascii()
+        and declared.isdigit()
+        and (len(declared.lstrip("0")) > len(str(limit)) or int(declared) > limit)
+    ):
         raise too_large
     chunks: list[bytes] = []
     size = 0
@@ -308,10 +315,15 @@ def _header_int(request: Request, name: str) -> int | None:
     raw = request.headers.get(name)
     if raw is None:
         return None
-    try:
-        return int(raw)
-    except ValueError:
-        raise GatewayError(400, f"header {name} must be an integer", param=name) from None
+    # ASCII digits only (int() also takes "٣", "1_000" and spaces), and at most 18 of them:
+    # a 401-digit value is an integer no float holds, and over 4300 int() itself raises
+    text = raw.strip()
+    digits = text[1:] if text[:1] in "+-" else text
+    if not (digits.isascii() and digits.isdigit()) or len(digits) > 18:
+        raise GatewayError(
+            400, f"header {name} must be an integer of at most 18 digits", param=name
+        )
+    return int(text)
 
 
 @dataclass(frozen=True)

@@ -166,10 +166,14 @@ class ChatMessageIn(BaseModel):
     def _text_only(self) -> ChatMessageIn:
         if self.tool_calls:
             raise ValueError("tool_calls: not supported")
+        # null (or absent) content is OpenAI's for an assistant turn that only calls tools,
+        # which qlm does not serve: refused, not sent on as an empty message
+        if self.content is None:
+            raise ValueError("content: must be a string or a list of text parts, not null")
         return self
 
     def text(self) -> str:
-        if self.content is None:
+        if self.content is None:  # refused by _text_only; kept for the type checker
             return ""
         if isinstance(self.content, str):
             return self.content
