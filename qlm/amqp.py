@@ -211,6 +211,11 @@ def vhost_of(url: str) -> str:
     return unquote(path[1:]) or "/"
 
 
+def username_of(url: str) -> str:
+    """The broker user ``url`` logs in as (the first node's; ``guest`` when it names none)."""
+    return unquote(urlsplit(split_urls(url)[0]).username or "guest")
+
+
 def with_vhost(url: str, vhost: str) -> str:
     """``url`` (each node of it) pointed at ``vhost`` instead."""
     out = []
@@ -312,6 +317,17 @@ async def publish_confirmed(
                 error=type(exc).__name__,
                 retry=retries,
             )
+            channel = getattr(exchange, "channel", None)
+            if isinstance(exc, aiormq.exceptions.DeliveryError) and isinstance(
+                channel, aio_pika.RobustChannel
+            ):
+                # A nack. RabbitMQ 3.10 nacks every publish to a quorum queue, for as long as
+                # the channel lives, on a channel whose first publish to it met the queue's
+                # dead leader (docs/reliability.md, "Quorum leader killed"). Closing the
+                # channel's AMQP channel makes the robust channel reopen as a new one (its
+                # consumers restored), which publishes again once a new leader is recorded.
+                with contextlib.suppress(Exception):
+                    await (await channel.get_underlay_channel()).close()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(connection.connected.wait(), left)
             await asyncio.sleep(min(0.2, max(0.0, deadline - time.monotonic())))

@@ -94,6 +94,7 @@ async def _run_coordinator(s: Settings, policy_name: str, shards: int, admin_por
     from qlm.admin import create_admin_app, serve_admin
     from qlm.catalog import ModelCatalog
     from qlm.coordinator.core import AdmissionLimits, LSOSettings
+    from qlm.coordinator.identity import ProducerIdentity
     from qlm.coordinator.service import Coordinator
     from qlm.store import Store
 
@@ -116,6 +117,8 @@ async def _run_coordinator(s: Settings, policy_name: str, shards: int, admin_por
         limits=AdmissionLimits(s.max_queued, s.max_queued_per_tenant, dict(s.tenant_limits)),
         late_task_rule=s.late_task_rule,
         batch=_batch_tier(s),
+        identity=ProducerIdentity(s.producer_identity),
+        answer_retention_s=s.answer_retention_s,
     )
     autoscaler = _live_autoscaler(s, coord)
     await coord.start()

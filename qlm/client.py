@@ -78,17 +78,27 @@ class QlmClient:
         lost its connection (or was nacked) keeps being retried after reconnects."""
         self.amqp_url = amqp_url
         self.app_id = app_id
+        # the broker user this client connects as: sent as the AMQP user_id property, which
+        # RabbitMQ checks against the connection's user, so a coordinator with
+        # QLM_PRODUCER_IDENTITY=broker knows the tenant for certain (docs/reliability.md)
+        self.user_id = qlm_amqp.username_of(amqp_url)
         self.republish_within_s = republish_within_s
         self._durable_replies = reply_queue is not None
         # A client-chosen name (not a server-named amq.gen-*): a robust reconnect re-declares the
         # same name, so replies for requests sent before the reconnect still find us.
-        self.reply_queue_name = reply_queue or f"qlm.reply.{uuid.uuid4().hex}"
+        # Under the user's reply prefix (qlm.reply.<user>.), which broker-verified identity
+        # requires and per-user permissions can reserve to this user.
+        self.reply_queue_name = reply_queue or f"qlm.reply.{self.user_id}.{uuid.uuid4().hex}"
         self._connection: AbstractRobustConnection | None = None
         self._channel: AbstractChannel | None = None
         self._ingress: AbstractExchange | None = None
         self._queue: AbstractQueue | None = None
         self._consumer_tag: str | None = None
         self._pending: dict[str, asyncio.Future[Reply]] = {}
+        # correlation id -> the request id it was published for (and its tenant): a reply
+        # must name that request, and a cancel speaks for the same tenant
+        self._request_ids: dict[str, str] = {}
+        self._tenants: dict[str, str | None] = {}
         self.reply_counts: Counter[str] = Counter()
         #: correlation id → the second, third ... replies for it (the first resolved the future)
         self.duplicates: dict[str, list[Reply]] = {}
@@ -169,6 +179,8 @@ class QlmClient:
         if submitted_at is not None:
             request = request.model_copy(update={"submitted_at": submitted_at})
         body = request.model_dump_json(exclude_none=True).encode()
+        self._request_ids[request.request_id] = request.request_id
+        self._tenants[request.request_id] = request.tenant
         return await self._publish(
             body,
             routing_key=request.request_id,
@@ -183,13 +195,18 @@ class QlmClient:
         # shield: a timeout must not cancel the future, or a late reply would be lost.
         return await asyncio.wait_for(asyncio.shield(fut), timeout)
 
-    async def cancel(self, request_id: str, reason: str | None = None) -> None:
+    async def cancel(
+        self, request_id: str, reason: str | None = None, *, tenant: str | None = None
+    ) -> None:
         """Withdraw a submitted request (returns once the broker confirmed the cancel). Its
         future still resolves, exactly once: with a ``cancelled`` error if the request was
-        waiting or could be stopped, or with its result if it finished first."""
+        waiting or could be stopped, or with its result if it finished first. The cancel
+        speaks for the tenant the request was submitted with (or ``tenant``): the
+        coordinator honours it only for a request of that tenant."""
         if self._ingress is None or self._connection is None:
             raise RuntimeError("QlmClient is not connected; use `async with QlmClient(url)`")
-        body = CancelMessage(request_id=request_id, reason=reason).model_dump_json(
+        tenant = tenant if tenant is not None else self._tenants.get(request_id)
+        body = CancelMessage(request_id=request_id, reason=reason, tenant=tenant).model_dump_json(
             exclude_none=True
         )
         message = aio_pika.Message(
@@ -200,6 +217,7 @@ class QlmClient:
             message_id=f"cancel-{request_id}",
             timestamp=datetime.now(tz=UTC),
             app_id=self.app_id,
+            user_id=self.user_id,
         )
         # the request's routing key: the cancel lands on the request's shard, behind it
         await qlm_amqp.publish_confirmed(
@@ -256,6 +274,7 @@ class QlmClient:
             reply_to=self.reply_queue_name,
             timestamp=datetime.now(tz=UTC),
             app_id=self.app_id,
+            user_id=self.user_id,
             headers=headers,
         )
         try:
@@ -292,7 +311,14 @@ class QlmClient:
         fut = self._pending.pop(correlation_id, None)
         if fut is not None and not fut.done():
             fut.cancel()
-        for book in (self.reply_counts, self.received_at, self.duplicates, self._reply_ids):
+        for book in (
+            self.reply_counts,
+            self.received_at,
+            self.duplicates,
+            self._reply_ids,
+            self._request_ids,
+            self._tenants,
+        ):
             book.pop(correlation_id, None)
         self._forgotten[correlation_id] = None
         while len(self._forgotten) > remember:
@@ -309,6 +335,13 @@ class QlmClient:
         cid = message.correlation_id or (reply.request_id if reply is not None else None)
         if cid is None or cid not in self._pending:
             log.warning("reply_unexpected", correlation_id=cid)
+            self.unexpected.append(message)
+            return
+        expected = self._request_ids.get(cid)
+        if reply is not None and expected is not None and reply.request_id not in (None, expected):
+            # matching correlation id, another request's reply (a producer that knows our
+            # reply queue and correlation ids cannot feed us its own result)
+            log.warning("reply_for_other_request", correlation_id=cid, request_id=reply.request_id)
             self.unexpected.append(message)
             return
         reply_id = str((message.headers or {}).get(REPLY_ID_HEADER) or "")

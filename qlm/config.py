@@ -67,6 +67,12 @@ class Settings(BaseSettings):
     autoscale_command: str | None = None  # the operator's program (shell words, no shell)
     autoscale_interval_s: float = Field(default=15.0, gt=0)
     autoscale_timeout_s: float = Field(default=60.0, gt=0)
+    # where a request's tenant comes from: the body's `tenant` field, or the broker-verified
+    # AMQP user_id (replies then only to direct reply-to or qlm.reply.<tenant>.*); see the
+    # threat model in docs/reliability.md
+    producer_identity: Literal["body", "broker"] = "body"
+    # how long the durable answer record keeps each reply (exactly once across restarts)
+    answer_retention_s: float = Field(default=7 * 86400.0, gt=0)
     log_level: str = "info"
     log_format: str = Field(default="json", pattern="^(json|console)$")
 

@@ -140,6 +140,23 @@ class CoordinatorMetrics:
         self._shed_children = {k: self._shed.labels(limit=k) for k in ("global", "tenant")}
         for child in self._shed_children.values():
             child.inc(0)
+        self._duplicates = Counter(
+            f"{namespace}_duplicate_requests",
+            "Copies of a request id published while it was tracked: acked at once, not run",
+            registry=r,
+        )
+        self._answered_again = Counter(
+            f"{namespace}_answered_again",
+            "Requests answered from the durable answer record instead of being run again, by "
+            "why (redelivered | republished | leftover_result | ran_twice)",
+            ["reason"],
+            registry=r,
+        )
+        self._cancels_refused = Counter(
+            f"{namespace}_cancels_refused",
+            "Cancels ignored because they came from another tenant than the request's",
+            registry=r,
+        )
         self._evictions = Counter(
             f"{namespace}_evictions",
             "Running requests the plan evicted to resume later, by mode (evict | swap)",
@@ -280,6 +297,15 @@ class CoordinatorMetrics:
         child = self._shed_children.get(limit)
         if child is not None:
             child.inc()
+
+    def observe_duplicate(self) -> None:
+        self._duplicates.inc()
+
+    def observe_answered_again(self, reason: str) -> None:
+        self._answered_again.labels(reason=reason).inc()
+
+    def observe_cancel_refused(self) -> None:
+        self._cancels_refused.inc()
 
     def observe_eviction(self, mode: str) -> None:
         child = self._eviction_children.get(mode)

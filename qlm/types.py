@@ -19,6 +19,9 @@ CONTENT_TYPE = "application/json"
 REPLY_ID_HEADER = "x-qlm-reply-id"
 
 RequestId = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:@/+=-]+$")]
+# A tenant name: printable, no control characters (it becomes a database key, a metric label,
+# a broker user and part of a reply queue's name)
+TenantName = Annotated[str, Field(max_length=128, pattern=r"^[^\x00-\x1f\x7f]*$")]
 
 # Bounds on every number of a request, checked before anything is tracked: a 400-digit integer
 # is valid JSON and a valid Python int, but no float holds it, and deadline arithmetic raised
@@ -178,7 +181,7 @@ class RequestMessage(_Strict):
     sampling: SamplingParams = Field(default_factory=SamplingParams)
     slo: SLO
     priority: int = Field(default=0, ge=0, le=9)
-    tenant: str | None = Field(default=None, max_length=128)
+    tenant: TenantName | None = None
     submitted_at: float | None = Field(
         default=None,
         ge=0,
@@ -272,6 +275,11 @@ class ErrorCode(StrEnum):
     # hostile input (docs/protocol.md, "Errors")
     INVALID_PROPERTY = "invalid_property"
     SUBMITTED_IN_FUTURE = "submitted_in_future"
+    # producer identity (docs/reliability.md, "Threat model")
+    INVALID_REPLY_TO = "invalid_reply_to"
+    IDENTITY_REQUIRED = "identity_required"
+    TENANT_MISMATCH = "tenant_mismatch"
+    DUPLICATE_REQUEST_ID = "duplicate_request_id"
 
 
 class ErrorMessage(_Strict):
@@ -296,6 +304,9 @@ class CancelMessage(_Strict):
     version: Literal[1] = 1
     request_id: RequestId
     reason: str | None = Field(default=None, max_length=256)
+    # the tenant of the request to cancel: a cancel is honoured only from the request's own
+    # tenant (with QLM_PRODUCER_IDENTITY=broker the broker-verified user, not this field)
+    tenant: TenantName | None = None
 
 
 def protocol_json_schema() -> dict[str, Any]:

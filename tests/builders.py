@@ -21,6 +21,7 @@ def make_request(
     submitted_at: float | None = None,
     request_id: str | None = None,
     slo_class: str | None = None,
+    tenant: str | None = None,
 ) -> RequestMessage:
     return RequestMessage(
         request_id=request_id or f"r{next(_ids)}",
@@ -29,6 +30,7 @@ def make_request(
         max_tokens=max_tokens,
         slo=SLO(e2e_ms=e2e_ms, ttft_ms=ttft_ms, slo_class=slo_class),
         submitted_at=submitted_at,
+        tenant=tenant,
     )
 
 

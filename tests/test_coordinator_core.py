@@ -6,7 +6,7 @@ import pytest
 
 from planner import create_policy
 from qlm.control import Evicted, Heartbeat
-from qlm.coordinator.core import BatchTier, CoordinatorCore, TrackState
+from qlm.coordinator.core import MAX_EXTRA_REPLY_TARGETS, BatchTier, CoordinatorCore, TrackState
 from qlm.policy import Plan
 from tests.builders import heartbeat, make_request
 
@@ -207,11 +207,64 @@ def test_duplicate_publish_rides_along_and_is_answered_once_per_producer() -> No
     same, outcome = core.admit(req, "h2", reply_to="q2", correlation_id="c2", received_at=1.0)
     again, _ = core.admit(req, "h3", reply_to="q1", correlation_id="c1", received_at=2.0)
     assert outcome == "duplicate" and same is t and again is t
-    assert t.delivery == "h1" and [d for d, _, _ in t.duplicates] == ["h2", "h3"]
+    # the copies are not held (the service acks them at once); only new reply routes kept
+    assert t.delivery == "h1" and t.duplicates == [("q2", "c2")] and t.duplicate_copies == 2
     # Not run twice: one queue entry ...
     assert sum(len(i.queue) for i in core.instances.values()) == 1
     # ... and one reply per distinct producer.
     assert t.reply_targets() == [("q1", "c1"), ("q2", "c2")]
+
+
+def test_a_flood_of_copies_keeps_a_bounded_number_of_reply_routes() -> None:
+    core = core_with({"a": 1})
+    req = make_request()
+    t, _ = core.admit(req, "h0", reply_to="q0", correlation_id="c", received_at=0.0)
+    for i in range(1000):
+        core.admit(req, f"h{i}", reply_to=f"q{i}", correlation_id="c", received_at=1.0)
+    assert t.duplicate_copies == 1000
+    assert len(t.reply_targets()) == 1 + MAX_EXTRA_REPLY_TARGETS
+    assert sum(len(i.queue) for i in core.instances.values()) == 1
+
+
+def test_the_same_id_from_another_tenant_is_a_conflict_not_a_copy() -> None:
+    core = core_with({"a": 1})
+    t, _ = core.admit(
+        make_request(tenant="t1", request_id="same"),
+        "h1",
+        reply_to="q",
+        correlation_id="c",
+        received_at=0.0,
+    )
+    other, outcome = core.admit(
+        make_request(tenant="t2", request_id="same"),
+        "h2",
+        reply_to="evil",
+        correlation_id="c",
+        received_at=1.0,
+    )
+    assert outcome == "conflict" and other is t and t.duplicates == []
+
+
+def test_a_cancel_is_honoured_only_from_the_request_s_tenant() -> None:
+    core = core_with({"a": 1})
+    t, _ = core.admit(
+        make_request(tenant="t1"), "h1", reply_to="q", correlation_id="c", received_at=0.0
+    )
+    assert core.cancel(t.request_id, "t2")[0] == "refused"
+    assert t.state == TrackState.QUEUED
+    assert core.cancel(t.request_id, "t1")[0] == "cancelled"
+
+
+def test_an_early_cancel_from_another_tenant_does_not_cancel_the_request() -> None:
+    core = core_with({"a": 1})
+    req = make_request(tenant="victim")
+    assert core.cancel(req.request_id, "attacker")[0] == "unknown"
+    _, outcome = core.admit(req, "h", reply_to="q", correlation_id="c", received_at=0.0)
+    assert outcome == "new"
+    other = make_request(tenant="owner")
+    assert core.cancel(other.request_id, "owner")[0] == "unknown"
+    _, outcome = core.admit(other, "h2", reply_to="q", correlation_id="c", received_at=0.0)
+    assert outcome == "cancelled"
 
 
 # ---------------------------------------------------------------- evictions and LSO orders

@@ -176,7 +176,9 @@ async def test_requests_beyond_the_limit_get_an_overloaded_reply_and_a_dead_lett
             assert texts["u1"] == "overloaded: 3 requests queued or running (limit 3); retry later"
             # a copy of a kept request published again is not new load: never shed
             await client.submit(_req("t0", "t"))
-            await _wait(lambda: len(coord.core.requests["t0"].duplicates) == 1)
+            # (same reply route: acked at once and counted, nothing held or added)
+            await _wait(lambda: coord.core.requests["t0"].duplicate_copies == 1)
+            assert coord.core.requests["t0"].duplicates == []
             assert not any(f.done() for f in kept)  # the admitted ones wait, unanswered
             assert len(coord.core.requests) == 3
             metrics = coord.metrics.render()[0].decode()

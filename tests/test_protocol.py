@@ -196,7 +196,7 @@ def requests(draw: st.DrawFn) -> RequestMessage:
         sampling=draw(sampling_params),
         slo=draw(slos()),
         priority=draw(st.integers(0, 9)),
-        tenant=draw(st.none() | texts(max_size=128)),
+        tenant=draw(st.none() | texts(max_size=128).filter(lambda t: t.isprintable())),
         submitted_at=draw(st.none() | finite(0, 2e9)),
         task=draw(st.none() | task_infos),
         **prompt,
@@ -238,6 +238,15 @@ def test_any_request_round_trips_and_both_validators_accept_it(
     assert back.prompt_tokens() >= 1
 
 
+def _ttft_after_e2e(doc: dict[str, Any]) -> bool:
+    slo = doc.get("slo")
+    if not isinstance(slo, dict):
+        return False
+    e2e, ttft = slo.get("e2e_ms"), slo.get("ttft_ms")
+    numbers = (int, float)
+    return isinstance(e2e, numbers) and isinstance(ttft, numbers) and ttft > e2e
+
+
 def _mutation_targets(doc: dict[str, Any]) -> list[tuple[dict[str, Any], str]]:
     """Every object in a request document, with the keys one could set or delete there."""
     objects: list[dict[str, Any]] = [doc]
@@ -271,8 +280,10 @@ def test_schema_and_pydantic_agree_on_mutated_requests(
     body = json.dumps(doc).encode()
     by_schema, by_pydantic = schema_accepts(doc), pydantic_accepts(body)
     event(f"schema {'accepts' if by_schema else 'rejects'}, pydantic {by_pydantic}")
-    # A message a producer validated against the schema is never rejected by the coordinator.
-    if by_schema:
+    # A message a producer validated against the schema is never rejected by the coordinator,
+    # except by the one cross-field rule JSON Schema cannot state (documented in protocol.md):
+    # a TTFT deadline after the end-to-end one.
+    if by_schema and not _ttft_after_e2e(doc):
         assert by_pydantic, f"schema accepts but pydantic rejects {doc!r}"
     # pydantic is lax (it coerces "5" to 5 and true to 1.0); whatever it accepts normalises to a
     # schema-valid message, so the stored and forwarded form always conforms.

@@ -36,7 +36,7 @@ class ChaosLoad:
     published_at: float = 0.0
 
     async def __aenter__(self) -> ChaosLoad:
-        self.client = QlmClient(self.amqp_url, reply_queue=f"qlm.chaos.replies.{self.prefix}")
+        self.client = QlmClient(self.amqp_url, reply_queue=f"qlm.reply.chaos.{self.prefix}")
         await self.client.connect()
         return self
 

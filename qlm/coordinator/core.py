@@ -38,6 +38,9 @@ from qlm.virtual_queue import VirtualQueue
 
 log = structlog.get_logger(__name__)
 
+# reply routes of copies of a tracked request (the same id published again) answered with it
+MAX_EXTRA_REPLY_TARGETS = 4
+
 # dispatch id of work adopted from a previous coordinator (its real id is unknown here)
 ADOPTED_DISPATCH = "adopted"
 
@@ -65,9 +68,12 @@ class TrackedRequest:
     dispatch_id: str | None = None
     dispatched_at: float | None = None
     attempts: int = 0
-    # The same request id published again (not a broker redelivery): it is not run twice;
-    # its delivery is settled, and its producer answered, together with the first.
-    duplicates: list[tuple[Any, str | None, str | None]] = field(default_factory=list)
+    # The same request id published again (not a broker redelivery): it is not run twice.
+    # Its delivery is acked at once (a flood of copies must not hold a consumer's prefetch
+    # or count as queued work); its producer's reply route, if new, is answered with the
+    # first (at most MAX_EXTRA_REPLY_TARGETS of them).
+    duplicates: list[tuple[str | None, str | None]] = field(default_factory=list)
+    duplicate_copies: int = 0
     # Exact resume: the output of evicted attempts; the next attempt continues after it.
     resume_token_ids: list[int] = field(default_factory=list)
     evictions: int = 0
@@ -85,9 +91,7 @@ class TrackedRequest:
     def reply_targets(self) -> list[tuple[str, str | None]]:
         """Distinct (reply_to, correlation_id) pairs to answer: one reply each."""
         targets: list[tuple[str, str | None]] = []
-        for reply_to, cid in [(self.reply_to, self.correlation_id)] + [
-            (r, c) for _, r, c in self.duplicates
-        ]:
+        for reply_to, cid in [(self.reply_to, self.correlation_id), *self.duplicates]:
             if reply_to and (reply_to, cid) not in targets:
                 targets.append((reply_to, cid))
         return targets
@@ -264,8 +268,9 @@ class CoordinatorCore:
         # Recently answered ids: a redelivery of one of these is acked without a second reply.
         self.answered: OrderedDict[str, None] = OrderedDict()
         self.answered_limit = 200_000
-        # cancels that came before their request (bounded, like `answered`)
-        self.cancelled_early: OrderedDict[str, None] = OrderedDict()
+        # cancels that came before their request, with the tenant that sent them (bounded,
+        # like `answered`); honoured only for a request of that tenant
+        self.cancelled_early: OrderedDict[str, str] = OrderedDict()
         self._seq = 0
         self.last_plan: Plan | None = None
 
@@ -291,15 +296,25 @@ class CoordinatorCore:
         rid = request.request_id
         if rid in self.answered:
             return None, "answered"
-        if rid in self.cancelled_early and rid not in self.requests:
-            del self.cancelled_early[rid]
+        early = self.cancelled_early.pop(rid, None) if rid not in self.requests else None
+        if early is not None and early == (request.tenant or ""):
             return None, "cancelled"
         existing = self.requests.get(rid)
         if existing is not None:
+            if (request.tenant or "") != (existing.request.tenant or ""):
+                return existing, "conflict"  # another tenant's id: never its reply
             if redelivered:
                 existing.delivery = delivery
                 return existing, "redelivered"
-            existing.duplicates.append((delivery, reply_to, correlation_id))
+            existing.duplicate_copies += 1
+            target = (reply_to, correlation_id)
+            if (
+                reply_to
+                and target != (existing.reply_to, existing.correlation_id)
+                and target not in existing.duplicates
+                and len(existing.duplicates) < MAX_EXTRA_REPLY_TARGETS
+            ):
+                existing.duplicates.append(target)
             return existing, "duplicate"
         tenant = request.tenant or ""
         # After a takeover, a redelivery of work an engine is running or has finished is not
@@ -312,7 +327,6 @@ class CoordinatorCore:
         if shed is not None:
             self.last_shed = shed
             return None, "overloaded"
-        self.tenant_counts[tenant] = self.tenant_counts.get(tenant, 0) + 1
         self._seq += 1
         submitted = request.submitted_at or received_at
         slo = request.slo
@@ -345,10 +359,25 @@ class CoordinatorCore:
             plan_view=view,
             chain=due if due.task_deadline is not None else None,
         )
+        # Counted only once everything above (which can raise) is computed; if holding or
+        # placing it raises, it is untracked and uncounted again, so that no failure leaks a
+        # slot of the tenant's limit, and its redelivery is admitted afresh.
+        self.tenant_counts[tenant] = self.tenant_counts.get(tenant, 0) + 1
         self.requests[rid] = tracked
-        if self._hold(tracked, received_at):
-            return tracked, "new"
-        self._place(tracked, received_at)
+        try:
+            if not self._hold(tracked, received_at):
+                self._place(tracked, received_at)
+        except BaseException:
+            if tracked.state in (TrackState.QUEUED, TrackState.HELD):
+                with contextlib.suppress(Exception):
+                    self._unqueue(tracked)
+            self.requests.pop(rid, None)
+            left = self.tenant_counts.get(tenant, 0) - 1
+            if left > 0:
+                self.tenant_counts[tenant] = left
+            else:
+                self.tenant_counts.pop(tenant, None)
+            raise
         return tracked, "new"
 
     def _stage_deadlines(
@@ -358,7 +387,9 @@ class CoordinatorCore:
         return stage_call_deadlines(self.collective.admit(request, submitted, now), own, now)
 
     # ---------------------------------------------------------------- cancels
-    def cancel(self, request_id: str) -> tuple[str, TrackedRequest | None, EvictOrder | None]:
+    def cancel(
+        self, request_id: str, tenant: str | None = None
+    ) -> tuple[str, TrackedRequest | None, EvictOrder | None]:
         """A producer withdrew a request. Returns (outcome, tracked, order):
 
         * ``"cancelled"`` - it was waiting (queued or held): it is out of every queue and now
@@ -367,12 +398,15 @@ class CoordinatorCore:
           instance) ends it with a ``cancelled`` reply, unless its result comes first;
         * ``"answered"`` - it is being answered or was answered: nothing to do;
         * ``"unknown"`` - not seen yet: remembered, so that it is answered ``cancelled`` on
-          arrival without running."""
+          arrival without running (if it comes from the same tenant);
+        * ``"refused"`` - the request belongs to another tenant than ``tenant``: ignored."""
         tracked = self.requests.get(request_id)
+        if tracked is not None and (tracked.request.tenant or "") != (tenant or ""):
+            return "refused", None, None
         if tracked is None:
             if request_id in self.answered:
                 return "answered", None, None
-            self.cancelled_early[request_id] = None
+            self.cancelled_early[request_id] = tenant or ""
             if len(self.cancelled_early) > 10_000:
                 self.cancelled_early.popitem(last=False)
             return "unknown", None, None

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -26,6 +27,7 @@ from aio_pika.abc import (
 from pydantic import ValidationError
 
 from qlm import amqp as qlm_amqp
+from qlm.amqp import escape_raw
 from qlm.capacity_telemetry import AutoscalerView, CapacityTelemetry
 from qlm.catalog import ModelCatalog
 from qlm.chains import LateTaskRule, is_last_step
@@ -53,10 +55,18 @@ from qlm.coordinator.core import (
     TrackedRequest,
     TrackState,
 )
-from qlm.coordinator.validation import InvalidRequest, parse_request
+from qlm.coordinator.identity import ProducerIdentity
+from qlm.coordinator.validation import (
+    InvalidRequest,
+    check_properties,
+    clean_message_id,
+    dead_letter_properties,
+    parse_request,
+    reply_route,
+)
 from qlm.metrics import CoordinatorMetrics
 from qlm.policy import QueuePolicy
-from qlm.store import RequestStatus, Store
+from qlm.store import AnswerLogUnavailable, RequestStatus, Store, StoredAnswer
 from qlm.topology import (
     CONTROL_EXCHANGE,
     REASON_HEADER,
@@ -90,6 +100,13 @@ AGENT_QUEUE_PREFIX = agent_queue("")
 
 def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value or "")
+
+
+def _user_id(message: AbstractIncomingMessage) -> str | None:
+    """The AMQP ``user_id`` property: RabbitMQ delivers it only if it equals the publishing
+    connection's user, so it names the producer for certain."""
+    value = message.user_id
+    return value if isinstance(value, str) and value else None
 
 
 def slo_outcome(
@@ -132,6 +149,7 @@ def slo_outcome(
 # How long a reply whose confirm was lost keeps being published again (after reconnects)
 # before the request goes back to a virtual queue to be run again.
 REPLY_REPUBLISH_S = 60.0
+ANSWER_PRUNE_INTERVAL_S = 600.0  # how often answers past their retention are deleted
 
 
 class Coordinator:
@@ -153,8 +171,15 @@ class Coordinator:
         limits: AdmissionLimits | None = None,
         late_task_rule: LateTaskRule = "promote",
         batch: BatchTier | None = None,
+        identity: ProducerIdentity | None = None,
+        answer_retention_s: float = 7 * 86400.0,
     ) -> None:
         self.amqp_url = amqp_url
+        self.identity = identity or ProducerIdentity()
+        # how long the durable answer record keeps a request's reply (redeliveries and
+        # producer re-publishes within it are answered from the record, never run again)
+        self.answer_retention_s = answer_retention_s
+        self._last_prune = 0.0
         self.store = store
         self.catalog = catalog or ModelCatalog()
         self.shards = shards
@@ -199,6 +224,11 @@ class Coordinator:
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
+        try:  # the recent answers, so a re-published id is recognised without a lookup
+            for rid in await self.store.answers.recent_ids(self.core.answered_limit):
+                self.core.answered[rid] = None
+        except Exception as exc:  # a cache only: the record itself is consulted on redelivery
+            log.warning("answered_ids_not_loaded", error=repr(exc)[:200])
         self._conn = await qlm_amqp.connect(self.amqp_url, name="qlm-coordinator")
         self._pub = await self._conn.channel(publisher_confirms=True, on_return_raises=True)
         # The setup channel re-declares the topology after a broker restart (a non-durable
@@ -285,7 +315,11 @@ class Coordinator:
         try:
             await handler(message)
         except Exception:
-            log.exception("handler_failed", message_id=message.message_id, requeue=requeue_on_error)
+            log.exception(
+                "handler_failed",
+                message_id=escape_raw(message.message_id or ""),
+                requeue=requeue_on_error,
+            )
             if requeue_on_error and self._last_delivery(message):
                 await self._reply_delivery_limit(message)
             # Requeue for a global-queue message: the quorum delivery limit dead-letters a
@@ -296,16 +330,21 @@ class Coordinator:
     def _last_delivery(self, message: AbstractIncomingMessage) -> bool:
         """Whether returning this delivery makes the quorum queue dead-letter it: the broker
         counts returns in ``x-delivery-count`` (absent on the first delivery) and dead-letters
-        at the return after delivery number ``delivery_limit + 1``."""
+        at the return after delivery number ``delivery_limit + 1``. A first delivery
+        (``redelivered`` false) never is: a producer can set ``x-delivery-count`` itself, and
+        only on a redelivery does the broker's own count replace it."""
+        if not message.redelivered:
+            return False
         count = (message.headers or {}).get("x-delivery-count") or 0
         return isinstance(count, int) and count >= self.delivery_limit
 
     async def _reply_delivery_limit(self, message: AbstractIncomingMessage) -> None:
         """The producer of a message that failed every time gets an error reply before the
         broker dead-letters it (best effort: the dead letter keeps the message either way)."""
-        if not message.reply_to:
+        reply_to, correlation_id = reply_route(message)  # None where not UTF-8 on the wire
+        if not reply_to:
             return
-        rid = message.message_id if isinstance(message.message_id, str) else None
+        rid = clean_message_id(message)
         err = ErrorMessage(
             request_id=rid,
             code=ErrorCode.DELIVERY_LIMIT,
@@ -315,7 +354,7 @@ class Coordinator:
             ),
         )
         try:
-            await self._reply(message.reply_to, message.correlation_id or rid, err)
+            await self._reply(reply_to, correlation_id or rid, err)
         except Exception as exc:
             log.warning("delivery_limit_reply_failed", message_id=rid, error=repr(exc)[:200])
 
@@ -328,12 +367,16 @@ class Coordinator:
         if self.received_at_first is None:
             self.received_at_first = now
         try:
+            # first the envelope: a property that is not UTF-8 (decoded tolerantly, see
+            # qlm.amqp) is refused before anything reads it
+            check_properties(message)
             req = parse_request(
                 message.body,
                 message.content_type,
                 self.catalog,
                 max_body_bytes=self.max_body_bytes,
                 message_id=message.message_id,
+                now=now,
             )
         except InvalidRequest as bad:
             await self._reject(message, bad, now)
@@ -341,6 +384,25 @@ class Coordinator:
         if isinstance(req, CancelMessage):
             await self._on_cancel(req, message)
             return
+        try:  # who sent it, and may its reply go where it asks
+            tenant = self.identity.tenant_of(req.tenant, _user_id(message), req.request_id)
+            self.identity.check_reply_to(message.reply_to, tenant, req.request_id)
+        except InvalidRequest as bad:
+            await self._reject(message, bad, now)
+            return
+        if tenant != req.tenant:
+            req = req.model_copy(update={"tenant": tenant})
+        rid = req.request_id
+        if rid not in self.core.requests and (message.redelivered or rid in self.core.answered):
+            # answered before (by this coordinator, or by one that died before the ack)
+            try:
+                stored = await self.store.answers.lookup(rid)
+            except AnswerLogUnavailable as exc:  # the record is checked again at answer time
+                log.warning("answer_lookup_failed", request_id=rid, error=str(exc)[:200])
+                stored = None
+            if stored is not None:
+                await self._answer_again(stored, req, message, now)
+                return
         if req.request_id not in self.core.requests:
             try:
                 self.core.collective.check(req)
@@ -360,6 +422,22 @@ class Coordinator:
         if outcome == "answered":
             # Already replied (an ack was lost): settle the copy without a second reply.
             await message.ack()
+            return
+        if outcome == "conflict":  # another tenant's request id: never its reply or its work
+            err = InvalidRequest(
+                ErrorCode.DUPLICATE_REQUEST_ID,
+                "this request_id belongs to a request of another tenant; choose a unique id",
+                req.request_id,
+            )
+            await self._reject(message, err, now)
+            return
+        if outcome == "duplicate":
+            # The same id again while it is tracked: not run twice, and not held either (a
+            # flood of copies must neither fill this consumer's prefetch nor count as queued
+            # work). Its reply route, if new, is answered with the first.
+            await message.ack()
+            self.metrics.observe_duplicate()
+            log.info("duplicate_request_acked", request_id=req.request_id)
             return
         if outcome == "cancelled":  # its cancel came first: answer it without running it
             await self._reply_cancelled_on_arrival(req, message, now)
@@ -410,27 +488,36 @@ class Coordinator:
         log.warning(
             "request_rejected", request_id=bad.request_id, code=bad.code.value, reason=bad.message
         )
-        headers = dict(message.headers or {})
-        headers[REASON_HEADER] = bad.code.value
-        headers[REASON_TEXT_HEADER] = bad.message[:1000]
+        # Only what can be published again: properties that are not UTF-8 on the wire are left
+        # out (kept escaped in x-qlm-raw-properties), reserved headers dropped.
+        props = dead_letter_properties(message)
+        props["headers"][REASON_HEADER] = bad.code.value
+        props["headers"][REASON_TEXT_HEADER] = bad.message[:1000]
         dead_copy = self._topology.dlx.publish(
-            aio_pika.Message(
-                message.body,
-                headers=headers,
-                content_type=message.content_type,
-                correlation_id=message.correlation_id,
-                message_id=message.message_id,
-                reply_to=message.reply_to,
-                delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
-            ),
+            aio_pika.Message(message.body, delivery_mode=aio_pika.DeliveryMode.PERSISTENT, **props),
             routing_key="",
             mandatory=False,
         )
-        if message.reply_to:
+        reply_to, correlation_id = reply_route(message)
+        # never into a queue its producer may not use (qlm's own, another tenant's)
+        reply_to = self.identity.reply_route(reply_to, _user_id(message))
+        if reply_to:
             err = ErrorMessage(
                 request_id=bad.request_id, code=bad.code, message=bad.message, details=bad.details
             )
-            reply = self._reply(message.reply_to, message.correlation_id or bad.request_id, err)
+            # The same id for the same refused delivery: if a crash comes before the ack, the
+            # redelivery's error reply is a copy the producer's client drops, not a second one.
+            reply_id = hashlib.sha256(
+                b"\0".join(
+                    (
+                        message.body,
+                        reply_to.encode(),
+                        (correlation_id or "").encode(),
+                        bad.code.value.encode(),
+                    )
+                )
+            ).hexdigest()[:32]
+            reply = self._reply(reply_to, correlation_id or bad.request_id, err, reply_id=reply_id)
             # Both confirmed before the ack, awaited together: under overload this is the hot
             # path, and one confirm round trip instead of two sheds about twice as fast.
             await asyncio.gather(reply, dead_copy)
@@ -446,23 +533,30 @@ class Coordinator:
         self,
         reply_to: str,
         correlation_id: str | None,
-        msg: ResultMessage | ErrorMessage,
+        msg: ResultMessage | ErrorMessage | StoredAnswer,
         *,
         republish_within_s: float = 0.0,
+        reply_id: str | None = None,
     ) -> None:
         """Publish one reply and wait for its confirm. With ``republish_within_s``, a reply
         whose confirm was lost with a connection is published again (same ``x-qlm-reply-id``,
-        so the producer drops the copy if the first one got through) instead of failing."""
+        so the producer drops the copy if the first one got through) instead of failing.
+        A :class:`StoredAnswer` is published as recorded, under its recorded reply id."""
         assert self._pub is not None and self._conn is not None
+        rid: str | None
+        if isinstance(msg, StoredAnswer):
+            body, rid, kind, reply_id = msg.body, msg.request_id, msg.kind, msg.reply_id
+        else:
+            body, rid, kind = msg.model_dump_json(), msg.request_id, msg.type
         message = aio_pika.Message(
-            msg.model_dump_json().encode(),
+            body.encode(),
             content_type=CONTENT_TYPE,
             correlation_id=correlation_id,
-            message_id=msg.request_id,
-            type=msg.type,
+            message_id=rid,
+            type=kind,
             # one id per reply: tells a broker redelivery or a republish of this reply (same
             # id) from a second reply (a bug) at the producer
-            headers={REPLY_ID_HEADER: uuid.uuid4().hex},
+            headers={REPLY_ID_HEADER: reply_id or uuid.uuid4().hex},
             delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
         )
         await qlm_amqp.publish_confirmed(
@@ -619,6 +713,20 @@ class Coordinator:
     async def _complete(self, c: Completion, ctl_msg: AbstractIncomingMessage) -> None:
         rid = c.request_id
         if rid not in self.core.requests and rid not in self.core.answered:
+            # A result for a request not tracked here: answered already (a result left in
+            # the control queue by a coordinator that died after answering), or its request
+            # is yet to be redelivered (a takeover).
+            try:
+                stored = await self.store.answers.lookup(rid)
+            except AnswerLogUnavailable:
+                stored = None
+            if stored is not None and rid not in self.core.requests:
+                log.info("result_for_answered_request_dropped", request_id=rid)
+                self.metrics.observe_answered_again("leftover_result")
+                self.core.answered[rid] = None
+                await ctl_msg.ack()
+                return
+        if rid not in self.core.requests and rid not in self.core.answered:
             previous = self._orphans.pop(rid, None)
             if previous is not None:
                 with contextlib.suppress(Exception):
@@ -720,8 +828,17 @@ class Coordinator:
     # ------------------------------------------------------------------ cancels
     async def _on_cancel(self, cancel: CancelMessage, message: AbstractIncomingMessage) -> None:
         rid = cancel.request_id
-        outcome, t, order = self.core.cancel(rid)
+        try:
+            tenant = self.identity.tenant_of(cancel.tenant, _user_id(message), rid)
+        except InvalidRequest as bad:  # a cancel gets no reply: dead-lettered with the reason
+            log.warning("cancel_refused", request_id=rid, code=bad.code.value)
+            self.metrics.observe_cancel_refused()
+            await message.ack()
+            return
+        outcome, t, order = self.core.cancel(rid, tenant)
         log.info("cancel_received", request_id=rid, outcome=outcome, reason=cancel.reason)
+        if outcome == "refused":  # another tenant's request: cancels are the owner's alone
+            self.metrics.observe_cancel_refused()
         if outcome == "cancelled" and t is not None:
             await self._answer_cancelled(t, message, cancel.reason)
             return
@@ -787,10 +904,11 @@ class Coordinator:
         )
         if message.reply_to:
             try:
+                stored = await self._record_answer(req.request_id, req.tenant, err)
                 await self._reply(
                     message.reply_to,
                     message.correlation_id,
-                    err,
+                    stored,
                     republish_within_s=REPLY_REPUBLISH_S,
                 )
             except Exception:
@@ -801,20 +919,53 @@ class Coordinator:
         self.metrics.observe_outcome("cancelled")
         await message.ack()
 
+    async def _record_answer(
+        self, request_id: str, tenant: str | None, msg: ResultMessage | ErrorMessage
+    ) -> StoredAnswer:
+        """Commit the reply to the durable answer record before it is published; returns the
+        answer on record (an earlier one if the request was answered before: then that one
+        is published again, never a second answer)."""
+        mine = StoredAnswer(
+            request_id=request_id,
+            reply_id=uuid.uuid4().hex,
+            tenant=tenant,
+            kind=msg.type,
+            body=msg.model_dump_json(),
+            answered_at=time.time(),
+        )
+        stored = await self.store.answers.record(mine)
+        if stored.reply_id != mine.reply_id:
+            log.warning("answer_already_recorded", request_id=request_id, kind=stored.kind)
+            self.metrics.observe_answered_again("ran_twice")
+        return stored
+
     async def _answer(
         self,
         t: TrackedRequest,
         msg: ResultMessage | ErrorMessage,
         ctl_msg: AbstractIncomingMessage | None,
     ) -> bool:
-        """Publish the one reply with a confirm, then ack the request's delivery."""
+        """Record the one reply durably, publish it with a confirm, then ack the request's
+        delivery (docs/architecture.md, "Exactly once")."""
+        try:
+            stored = await self._record_answer(t.request_id, t.request.tenant, msg)
+        except AnswerLogUnavailable as exc:
+            # Never publish an answer that is not on record: a restart could answer again.
+            # The request stays unacked and runs again once the database is back.
+            log.error("answer_not_recorded", request_id=t.request_id, error=str(exc)[:300])
+            self.core.release_answering(t.request_id)
+            self._pump()
+            if ctl_msg is not None:
+                with contextlib.suppress(Exception):
+                    await ctl_msg.ack()
+            return False
         if t.reply_to or t.duplicates:
             try:
                 for reply_to, correlation_id in t.reply_targets():
                     # A reply that may have got through must not be followed by a second
                     # one from running the request again: publish the same reply again.
                     await self._reply(
-                        reply_to, correlation_id, msg, republish_within_s=REPLY_REPUBLISH_S
+                        reply_to, correlation_id, stored, republish_within_s=REPLY_REPUBLISH_S
                     )
             except Exception:
                 log.exception("reply_failed", request_id=t.request_id)
@@ -831,10 +982,42 @@ class Coordinator:
                 await ctl_msg.ack()
         return True
 
-    async def _ack_delivery(self, t: TrackedRequest) -> None:
-        for duplicate, _, _ in t.duplicates:
+    async def _answer_again(
+        self,
+        stored: StoredAnswer,
+        req: RequestMessage,
+        message: AbstractIncomingMessage,
+        now: float,
+    ) -> None:
+        """A request already answered (before a restart or takeover, or a producer's
+        re-publish of its id): the recorded reply again, under its recorded reply id, which
+        the producer's client drops if it has it; then the ack. Nothing runs."""
+        if (stored.tenant or "") != (req.tenant or ""):
+            err = InvalidRequest(
+                ErrorCode.DUPLICATE_REQUEST_ID,
+                "this request_id was answered for another tenant; choose a unique id",
+                req.request_id,
+            )
+            await self._reject(message, err, now)
+            return
+        if message.reply_to:
+            await self._reply(
+                message.reply_to,
+                message.correlation_id,
+                stored,
+                republish_within_s=REPLY_REPUBLISH_S,
+            )
+        await message.ack()
+        self.core.finish(req.request_id)  # not tracked: only remembered as answered
+        reason = "redelivered" if message.redelivered else "republished"
+        self.metrics.observe_answered_again(reason)
+        log.info("answered_from_record", request_id=req.request_id, reason=reason)
+        held = self._orphans.pop(req.request_id, None)
+        if held is not None:  # its result, left in the control queue, is a leftover
             with contextlib.suppress(Exception):
-                await duplicate.ack()
+                await held[1].ack()
+
+    async def _ack_delivery(self, t: TrackedRequest) -> None:
         for _ in range(2):
             delivery = t.delivery
             try:
@@ -904,9 +1087,22 @@ class Coordinator:
                     )
                     self.metrics.observe_requeue("heartbeat_timeout")
             await self._expire_orphans()
+            if time.monotonic() - self._last_prune > ANSWER_PRUNE_INTERVAL_S:
+                self._last_prune = time.monotonic()
+                self._spawn(self._prune_answers())
             if self.core.instances:
                 self._pump()
             self._refresh_gauges()
+
+    async def _prune_answers(self) -> None:
+        """Forget answers older than the retention: their requests were acked long ago."""
+        try:
+            n = await self.store.answers.prune(time.time() - self.answer_retention_s)
+        except Exception as exc:
+            log.warning("answer_prune_failed", error=repr(exc)[:200])
+            return
+        if n:
+            log.info("answers_pruned", count=n, retention_s=self.answer_retention_s)
 
     async def _expire_orphans(self) -> None:
         """A held result whose request never came (it was answered before a restart and fell
