@@ -1,35 +1,29 @@
 """The ``sim`` engine backend: a real-time emulation of a vLLM V1-like continuous-batching engine.
 
-Each iteration follows vLLM V1's scheduler: running requests first (one decode token each, or
-the next chunk of an unfinished prefill), then, if nothing was preempted, waiting requests in
-FCFS order while the batch-size limit, the per-iteration token budget (chunked prefill) and the
-paged KV cache (blocks of 16 tokens) allow. The iteration then "runs" for
-``EngineProfile.iteration_time(...) / time_scale`` wall seconds (``asyncio.sleep``). When a
-running request needs a KV block and none is free, the most recently admitted running request
-is preempted by recompute: its KV is freed, it goes back to the front of the waiting queue,
-and on re-admission its prompt and generated tokens are prefilled again.
-
-One model is resident at a time. When the running batch is empty and the head of the waiting
-queue needs another model, the engine switches: the first load of a model costs
-``load_time_from_disk()``, later ones ``load_time_from_cpu()`` (warm start). Requests of
-another model are never admitted while a batch of the resident model runs (strict FCFS).
+What runs in each iteration (continuous batching, chunked prefill, the KV cache, preemption by
+recompute, model switches, the admission signal ``wants()``) is decided by the one engine
+scheduler, :class:`qlm.engine_scheduler.EngineScheduler`, the same one the cluster simulator's
+instances use (docs/engine-model.md). This class owns real time and I/O: each iteration
+"runs" for ``EngineProfile.iteration_time(...) / time_scale`` wall seconds (``asyncio.sleep``),
+then its outputs are delivered. A model switch costs ``load_time_from_disk()``, or
+``load_time_from_cpu()`` when the model's weights are in host memory
+(:class:`qlm.engine_scheduler.ModelResidency`: a model the engine switched away from, or one
+the coordinator asked to keep warm once it has been read from disk).
 
 The sim ignores EOS: every request generates exactly ``max_tokens`` tokens, ids drawn from a
-generator seeded by (engine seed, request id, request seed). Producers replaying a trace set
-``max_tokens`` to the trace's output length. Timestamps are wall clock (``clock()``); with
-``time_scale > 1`` the engine runs that many times faster than the modelled GPU.
-See docs/engine-model.md for what is and is not emulated.
+generator seeded by (engine seed, request id, request seed), so token ``i`` of a request is a
+function of ``i`` alone and a preempted or resumed request continues exactly. Producers
+replaying a trace set ``max_tokens`` to the trace's output length. Timestamps are wall clock
+(``clock()``); with ``time_scale > 1`` the engine runs that many times faster than the
+modelled GPU. See docs/engine-model.md for what is and is not emulated.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import enum
-import math
 import time
 import zlib
-from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -45,12 +39,17 @@ from agents.engine import (
     OutputCallback,
 )
 from qlm.engine_model import KV_BLOCK_TOKENS, EngineProfile, get_profile
+from qlm.engine_scheduler import (
+    EngineLimits,
+    EngineScheduler,
+    EngineSeq,
+    ModelResidency,
+    Step,
+)
 
 log = structlog.get_logger(__name__)
 
 VOCAB_SIZE = 32_000  # range of the emulated token ids
-WANTS_AT_MOST = 8  # requests wants() asks for at once, so pulled work stays ordered upstream
-KV_SATURATED_FRACTION = 0.9  # wants() returns 0 above this KV usage
 TOKENS_PER_S_ALPHA = 0.05  # EWMA weight of the latest iteration
 # When the event loop falls behind the modelled iteration ends, the engine runs iterations back
 # to back to catch up, but never by more than this much wall time (a stalled process does not
@@ -58,28 +57,16 @@ TOKENS_PER_S_ALPHA = 0.05  # EWMA weight of the latest iteration
 MAX_CATCH_UP_S = 0.01
 
 
-class _State(enum.Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
-    DONE = "done"
+@dataclass(slots=True, eq=False, kw_only=True)
+class _SimRequest(EngineSeq):
+    """A request in the engine: the scheduler's state plus what its output needs."""
 
-
-@dataclass(eq=False)
-class _SimRequest:
     request: EngineRequest
-    prompt_len: int
     started_at: float
     token_seed: int  # token i is a function of (this, i): a resumed request continues exactly
-    generated: list[int] = field(default_factory=list)
-    num_computed: int = 0  # tokens whose KV is in the cache
-    kv_blocks: int = 0
+    resumed: list[int] = field(default_factory=list)  # resume_token_ids: its first tokens
     first_token_at: float | None = None
-    preemptions: int = 0
-    state: _State = _State.WAITING
-
-    @property
-    def num_tokens(self) -> int:
-        return self.prompt_len + len(self.generated)
+    done: bool = False
 
 
 @dataclass(frozen=True)
@@ -118,19 +105,20 @@ class SimEngine(EngineBackend):
         if tp is None:
             tp = max(given[m].tp if m in given else get_profile(gpu_type, m).tp for m in models)
         self._profiles = {m: given.get(m) or get_profile(gpu_type, m, tp=tp) for m in models}
-        self._kv_blocks_total = {
-            m: (p.kv_capacity_tokens if kv_capacity_tokens is None else kv_capacity_tokens)
-            // KV_BLOCK_TOKENS
-            for m, p in self._profiles.items()
-        }
-        if any(blocks < 1 for blocks in self._kv_blocks_total.values()):
-            raise ValueError(f"kv_capacity_tokens must hold at least {KV_BLOCK_TOKENS} tokens")
         if max_batch_size is not None and max_batch_size < 1:
             raise ValueError("max_batch_size must be >= 1")
-        self._max_batch = {
-            m: p.max_batch_size if max_batch_size is None else max_batch_size
-            for m, p in self._profiles.items()
-        }
+        self._limits: dict[str, EngineLimits] = {}
+        for m, p in self._profiles.items():
+            # the cache holds whole blocks of KV_BLOCK_TOKENS, as vLLM's does
+            capacity = p.kv_capacity_tokens if kv_capacity_tokens is None else kv_capacity_tokens
+            blocks = capacity // KV_BLOCK_TOKENS
+            if blocks < 1:
+                raise ValueError(f"kv_capacity_tokens must hold at least {KV_BLOCK_TOKENS} tokens")
+            self._limits[m] = EngineLimits(
+                blocks * KV_BLOCK_TOKENS,
+                p.max_batch_size if max_batch_size is None else max_batch_size,
+                p.max_num_batched_tokens,
+            )
         self.gpu_type = gpu_type
         self.time_scale = time_scale
         self._seed = seed
@@ -138,14 +126,13 @@ class SimEngine(EngineBackend):
         self._log = log.bind(gpu=gpu_type, models=list(models))
 
         self._requests: dict[str, _SimRequest] = {}
-        self._waiting: deque[_SimRequest] = deque()
-        self._running: list[_SimRequest] = []
-        self._kv_blocks_used = 0
-        self._active_model: str | None = None
-        self._loading_model: str | None = None
-        self._loaded_before: set[str] = set()  # models with a copy in host memory
+        # nothing is resident until start() loads the first model
+        self._engine: EngineScheduler[_SimRequest] = EngineScheduler(
+            f"sim-{gpu_type}", self._limits[models[0]], active_model=None
+        )
+        self._residency = ModelResidency(self._profiles)
         self._preload: str | None = None  # the plan's next model, loaded when idle
-        self._plan: dict[_SimRequest, int] = {}  # the iteration in flight
+        self._step_in_flight: Step[_SimRequest] | None = None
 
         self._on_output: OutputCallback | None = None
         self._outputs: asyncio.Queue[EngineOutput] = asyncio.Queue()
@@ -157,7 +144,6 @@ class SimEngine(EngineBackend):
         self._ewma_seconds = 0.0
 
         self.iterations = 0
-        self.preemptions_total = 0
         self.model_loads: list[ModelLoad] = []
 
     # ---- EngineBackend ------------------------------------------------------------------
@@ -168,15 +154,19 @@ class SimEngine(EngineBackend):
 
     @property
     def active_model(self) -> str | None:
-        return self._active_model
+        return self._engine.active_model
 
     @property
     def kv_capacity_tokens(self) -> int:
-        return self._kv_blocks_total[self._current_model()] * KV_BLOCK_TOKENS
+        return self._engine.limits.kv_capacity_tokens
 
     @property
     def max_batch_size(self) -> int:
-        return self._max_batch[self._current_model()]
+        return self._engine.limits.max_batch_size
+
+    @property
+    def preemptions_total(self) -> int:
+        return self._engine.preemptions
 
     def profile(self, model: str) -> EngineProfile:
         return self._profiles[model]
@@ -227,14 +217,24 @@ class SimEngine(EngineBackend):
             self._outputs.put_nowait(_error_output(request, prompt_len, now, now, problem))
             return
         token_seed = zlib.crc32(f"{self._seed}:{request.request_id}:{request.seed}".encode())
-        sim = _SimRequest(
-            request=request, prompt_len=prompt_len, started_at=now, token_seed=token_seed
-        )
         # an evicted request resumes like a preempted one: its earlier output is prefilled
         # again and generation continues after it
-        sim.generated = list(request.resume_token_ids)
+        resumed = list(request.resume_token_ids)
+        sim = _SimRequest(
+            request_id=request.request_id,
+            model=request.model,
+            prompt_tokens=prompt_len,
+            output_tokens=request.max_tokens,
+            mix_prompt_tokens=prompt_len,
+            max_tokens=request.max_tokens,
+            generated=len(resumed),
+            request=request,
+            started_at=now,
+            token_seed=token_seed,
+            resumed=resumed,
+        )
         self._requests[request.request_id] = sim
-        self._waiting.append(sim)
+        self._engine.add(sim)
         self._wakeup.set()
 
     async def abort(self, request_id: str) -> list[int]:
@@ -244,18 +244,19 @@ class SimEngine(EngineBackend):
         if sim is None:
             return []
         self._remove(sim)
-        return list(sim.generated)
+        return self._token_ids(sim)[0]
 
     def stats(self) -> EngineStats:
+        engine = self._engine
         return EngineStats(
-            active_model=self._active_model,
-            running=len(self._running),
-            waiting=len(self._waiting),
-            kv_used_tokens=self._kv_blocks_used * KV_BLOCK_TOKENS,
+            active_model=engine.active_model,
+            running=len(engine.running),
+            waiting=len(engine.waiting),
+            kv_used_tokens=engine.kv_used,
             kv_capacity_tokens=self.kv_capacity_tokens,
             tokens_per_s=self._tokens_per_s(),
             in_flight=list(self._requests),
-            warm_models=sorted(self._loaded_before - {self._active_model}),
+            warm_models=sorted(set(self._residency.warm) - {engine.active_model}),
         )
 
     def capabilities(self) -> EngineCapabilities:
@@ -268,28 +269,28 @@ class SimEngine(EngineBackend):
         )
 
     async def set_model_states(self, states: Mapping[str, ModelState]) -> None:
-        """Warm models keep a host copy (the next switch to them is a warm start), cold ones
-        lose it (the next load is from disk). The active model is loaded ahead of its
-        requests when the engine is idle."""
+        """Warm models keep a host copy (the next switch to them is a warm start, once the
+        copy has been read from disk), cold ones lose it (the next load is from disk). The
+        active model is loaded ahead of its requests when the engine is idle."""
+        active = self._engine.active_model
+        warm = dict.fromkeys(self._residency.warm)
         for model, state in states.items():
             if model not in self._profiles:
                 continue
-            if state == "cold" and model != self._active_model:
-                self._loaded_before.discard(model)
+            if state == "cold" and model != active:
+                warm.pop(model, None)
             elif state == "warm":
-                self._loaded_before.add(model)
-            elif state == "active" and model != self._active_model:
-                self._loaded_before.add(model)
+                warm[model] = None
+            elif state == "active" and model != active:
+                warm[model] = None
                 self._preload = model
                 self._wakeup.set()
+        self._residency.set_warm(warm, self._engine_now())
 
     def wants(self) -> int:
-        if self._loop_task is None or self._waiting or self._loading_model is not None:
+        if self._loop_task is None:
             return 0
-        model = self._current_model()
-        if self._kv_blocks_used > KV_SATURATED_FRACTION * self._kv_blocks_total[model]:
-            return 0
-        return max(0, min(WANTS_AT_MOST, self._max_batch[model] - len(self._running)))
+        return self._engine.wants()
 
     # ---- the engine loop ----------------------------------------------------------------
 
@@ -297,10 +298,10 @@ class SimEngine(EngineBackend):
         loop = asyncio.get_running_loop()
         busy = False
         while True:
-            if not self._waiting and not self._running:
+            if self._engine.idle:
                 busy = False
                 preload, self._preload = self._preload, None
-                if preload is not None and preload != self._active_model:
+                if preload is not None and preload != self._engine.active_model:
                     self._deadline = loop.time()
                     await self._load(preload)
                     continue
@@ -316,157 +317,85 @@ class SimEngine(EngineBackend):
                 # Fail the requests of the broken iteration (or, if scheduling itself broke,
                 # the head of the queue) so the loop makes progress instead of spinning.
                 self._log.exception("sim_engine_step_failed")
-                victims = list(self._plan) or self._running[:1] or list(self._waiting)[:1]
+                step = self._step_in_flight
+                victims = [sim for sim, _ in step.prefill] if step is not None else []
+                engine = self._engine
+                victims = victims or list(engine.running)[:1] or list(engine.waiting)[:1]
                 for sim in victims:
                     self._fail(sim, f"engine iteration failed: {exc!r}")
             finally:
-                self._plan = {}
+                self._step_in_flight = None
 
     async def _step(self) -> None:
-        if not self._running and self._waiting[0].request.model != self._active_model:
-            await self._load(self._waiting[0].request.model)
+        engine = self._engine
+        model = engine.model_to_load()
+        if model is not None:
+            await self._load(model)
             return
-        had_waiting = bool(self._waiting)
-        self._plan = self._schedule()
-        if had_waiting and not self._waiting:
+        had_waiting = bool(engine.waiting)
+        step = self._step_in_flight = engine.plan()
+        for sim in step.preempted:
+            self._log.debug(
+                "sim_request_preempted", request_id=sim.request_id, generated=sim.generated
+            )
+        if had_waiting and not engine.waiting:
             self._capacity_changed()  # the waiting queue drained: room for more credit
-        if not self._plan:
+        if step.empty:
             # Cannot happen for requests that passed _reject_reason; never spin on it.
-            stuck = self._running[0] if self._running else self._waiting[0]
+            stuck = next(iter(engine.running), None) or engine.waiting[0]
             self._fail(stuck, "request cannot be scheduled")
             return
-        model = self._current_model()
-        prefill_tokens = decode_batch = context_tokens = 0
-        attention_pairs = 0.0
-        for sim, n_new in self._plan.items():
-            if n_new == 1 and sim.num_computed > 0:
-                decode_batch += 1
-                context_tokens += sim.num_computed + 1
-            else:
-                prefill_tokens += n_new
-                attention_pairs += n_new * sim.num_computed + n_new * (n_new + 1) / 2
-        seconds = self._profiles[model].iteration_time(
-            prefill_tokens,
-            decode_batch,
-            context_tokens,
-            prefill_attention_pairs=attention_pairs,
-        )
+        assert engine.active_model is not None
+        seconds = step.seconds(self._profiles[engine.active_model])
         await self._sleep_engine(seconds)
-        self._commit(self._plan, seconds)
+        result = engine.commit(step)
+        now = self._clock()
+        for sim in result.sampled:
+            if sim.first_token_at is None:
+                sim.first_token_at = now
+        for sim in result.finished:
+            self._finish(sim, now)
+        self._record_throughput(result.tokens, seconds / self.time_scale)
         self.iterations += 1
 
-    def _schedule(self) -> dict[_SimRequest, int]:
-        """One vLLM V1 scheduling step: {request: tokens to compute this iteration}."""
-        model = self._current_model()
-        budget = self._profiles[model].max_num_batched_tokens
-        plan: dict[_SimRequest, int] = {}
-        preempted = False
-        index = 0
-        while index < len(self._running) and budget > 0:
-            sim = self._running[index]
-            n_new = min(sim.num_tokens - sim.num_computed, budget)
-            while not self._allocate(sim, sim.num_computed + n_new):
-                victim = self._running[-1]  # the most recently admitted
-                self._preempt(victim)
-                preempted = True
-                if victim is sim:
-                    break
-            if sim.state is not _State.RUNNING:
-                break  # it preempted itself: nothing after it in `running` is left either
-            plan[sim] = n_new
-            budget -= n_new
-            index += 1
-        if preempted:
-            return plan
-        max_batch = self._max_batch[model]
-        while self._waiting and len(self._running) < max_batch and budget > 0:
-            sim = self._waiting[0]
-            if sim.request.model != model:
-                break  # strict FCFS: no other model's request while this model is resident
-            n_new = min(sim.num_tokens - sim.num_computed, budget)
-            if not self._allocate(sim, sim.num_computed + n_new):
-                break
-            self._waiting.popleft()
-            sim.state = _State.RUNNING
-            self._running.append(sim)
-            plan[sim] = n_new
-            budget -= n_new
-        return plan
+    def _token_at(self, sim: _SimRequest, index: int) -> int:
+        return _mix64(sim.token_seed, index) % VOCAB_SIZE
 
-    def _commit(self, plan: dict[_SimRequest, int], seconds: float) -> None:
-        now = self._clock()
-        generated = 0
-        for sim, n_new in plan.items():
-            if sim.state is not _State.RUNNING:
-                continue  # aborted while the iteration ran
-            try:
-                sim.num_computed += n_new
-                if sim.num_computed < sim.num_tokens:
-                    continue  # a prefill chunk; the request samples when its prefill completes
-                sim.generated.append(self._next_token(sim))
-                generated += 1
-                if sim.first_token_at is None:
-                    sim.first_token_at = now
-                if len(sim.generated) >= sim.request.max_tokens:
-                    self._finish(sim, now)
-            except Exception as exc:
-                self._log.exception("sim_request_failed", request_id=sim.request.request_id)
-                self._fail(sim, f"engine failed the request: {exc!r}")
-        self._record_throughput(generated, seconds / self.time_scale)
+    def _token_ids(self, sim: _SimRequest) -> tuple[list[int], Exception | None]:
+        """The request's output so far; the sampler's fault, if one broke it, and the tokens
+        before it."""
+        self._engine.sync(sim)
+        tokens = list(sim.resumed[: sim.generated])
+        try:
+            for index in range(len(tokens), sim.generated):
+                tokens.append(self._token_at(sim, index))
+        except Exception as exc:
+            return tokens, exc
+        return tokens, None
 
-    def _next_token(self, sim: _SimRequest) -> int:
-        return _mix64(sim.token_seed, len(sim.generated)) % VOCAB_SIZE
-
-    # ---- KV cache and request bookkeeping -----------------------------------------------
-
-    def _allocate(self, sim: _SimRequest, tokens: int) -> bool:
-        """Grow ``sim``'s KV to hold ``tokens`` tokens; False when too few blocks are free."""
-        need = math.ceil(tokens / KV_BLOCK_TOKENS) - sim.kv_blocks
-        if need <= 0:
-            return True
-        if self._kv_blocks_used + need > self._kv_blocks_total[self._current_model()]:
-            return False
-        sim.kv_blocks += need
-        self._kv_blocks_used += need
-        return True
-
-    def _free_kv(self, sim: _SimRequest) -> None:
-        self._kv_blocks_used -= sim.kv_blocks
-        sim.kv_blocks = 0
-
-    def _preempt(self, sim: _SimRequest) -> None:
-        """Preempt by recompute (vLLM V1): free the KV, keep the generated tokens, requeue first."""
-        self._running.remove(sim)
-        self._free_kv(sim)
-        sim.num_computed = 0
-        sim.state = _State.WAITING
-        sim.preemptions += 1
-        self.preemptions_total += 1
-        self._waiting.appendleft(sim)
-        self._log.debug(
-            "sim_request_preempted",
-            request_id=sim.request.request_id,
-            generated=len(sim.generated),
-        )
+    # ---- request bookkeeping ------------------------------------------------------------
 
     def _remove(self, sim: _SimRequest) -> None:
-        if sim.state is _State.RUNNING:
-            self._running.remove(sim)
-        elif sim.state is _State.WAITING:
-            self._waiting.remove(sim)
-        self._free_kv(sim)
-        sim.state = _State.DONE
+        if not sim.done:
+            self._engine.remove(sim)
+            sim.done = True
 
     def _finish(self, sim: _SimRequest, now: float) -> None:
-        self._requests.pop(sim.request.request_id, None)
-        self._remove(sim)
+        """Report a request the scheduler has finished."""
+        sim.done = True
+        self._requests.pop(sim.request_id, None)
+        tokens, fault = self._token_ids(sim)
+        if fault is not None:
+            self._log.error("sim_request_failed", request_id=sim.request_id, error=repr(fault))
+            self._report_error(sim, f"engine failed the request: {fault!r}")
+            return
         self._outputs.put_nowait(
             EngineOutput(
-                request_id=sim.request.request_id,
-                output_token_ids=list(sim.generated),
-                output_text=" ".join(f"t{token}" for token in sim.generated),
+                request_id=sim.request_id,
+                output_token_ids=tokens,
+                output_text=" ".join(f"t{token}" for token in tokens),
                 finish_reason="length",
-                prompt_tokens=sim.prompt_len,
+                prompt_tokens=sim.prompt_tokens,
                 started_at=sim.started_at,
                 first_token_at=sim.first_token_at,
                 finished_at=now,
@@ -475,12 +404,17 @@ class SimEngine(EngineBackend):
         )
 
     def _fail(self, sim: _SimRequest, message: str) -> None:
-        if sim.state is _State.DONE:
+        if sim.done:
             return
-        self._requests.pop(sim.request.request_id, None)
+        self._requests.pop(sim.request_id, None)
         self._remove(sim)
-        output = _error_output(sim.request, sim.prompt_len, sim.started_at, self._clock(), message)
-        output.output_token_ids = list(sim.generated)
+        self._report_error(sim, message)
+
+    def _report_error(self, sim: _SimRequest, message: str) -> None:
+        output = _error_output(
+            sim.request, sim.prompt_tokens, sim.started_at, self._clock(), message
+        )
+        output.output_token_ids = self._token_ids(sim)[0]
         output.first_token_at = sim.first_token_at
         output.preemptions = sim.preemptions
         self._outputs.put_nowait(output)
@@ -500,15 +434,16 @@ class SimEngine(EngineBackend):
         if total > max_context:
             return f"prompt + max_tokens = {total} exceeds the model's context of {max_context}"
         # A request's KV peaks at prompt + max_tokens - 1 tokens (the last token is never fed).
-        capacity = self._kv_blocks_total[request.model] * KV_BLOCK_TOKENS
+        capacity = self._limits[request.model].kv_capacity_tokens
         if total - 1 > capacity:
             return f"prompt + max_tokens = {total} exceeds the KV cache of {capacity} tokens"
         return None
 
     # ---- time, model loads, delivery ----------------------------------------------------
 
-    def _current_model(self) -> str:
-        return self._active_model or self._loading_model or self.models[0]
+    def _engine_now(self) -> float:
+        """Engine time (modelled seconds): when a host copy of weights is ready."""
+        return asyncio.get_running_loop().time() * self.time_scale
 
     async def _sleep_engine(self, engine_seconds: float) -> None:
         """Sleep until the modelled end of this much engine time. Deadlines accumulate, so the
@@ -520,19 +455,16 @@ class SimEngine(EngineBackend):
         await asyncio.sleep(max(0.0, self._deadline - now))
 
     async def _load(self, model: str) -> None:
-        profile = self._profiles[model]
-        cold = model not in self._loaded_before
-        seconds = profile.load_time_from_disk() if cold else profile.load_time_from_cpu()
+        engine = self._engine
+        previous = engine.active_model
+        seconds, source = self._residency.load(model, previous, self._engine_now())
         started = self._clock()
-        self._loading_model, previous = model, self._active_model
-        self._active_model = None  # the old weights are going; nothing is resident meanwhile
+        engine.begin_load(model, self._limits[model])
         try:
             await self._sleep_engine(seconds)
         finally:
-            self._loading_model = None
-        self._active_model = model
-        self._loaded_before.add(model)
-        load = ModelLoad(model, "disk" if cold else "cpu", seconds, started, self._clock())
+            engine.end_load()
+        load = ModelLoad(model, source, seconds, started, self._clock())
         self.model_loads.append(load)
         self._log.info(
             "sim_model_loaded",

@@ -46,6 +46,7 @@ from agents.engine import (
     ModelState,
     OutputCallback,
 )
+from qlm.engine_scheduler import WANTS_AT_MOST  # the one admission constant of every backend
 
 log = structlog.get_logger(__name__)
 
@@ -53,7 +54,6 @@ log = structlog.get_logger(__name__)
 # environment, so changes of it are serialized (see _build_async_llm)
 _MP_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
 _ENV_LOCK = threading.Lock()
-WANTS_AT_MOST = 8  # requests wants() asks for at once, so pulled work stays ordered upstream
 TOKENS_PER_S_ALPHA = 0.1  # EWMA weight of the latest engine step
 # vLLM reads these when it is imported; no model hub can be reached, and no usage reports
 OFFLINE_ENV = {

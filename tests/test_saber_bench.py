@@ -151,14 +151,14 @@ def test_a_static_cap_bounds_every_engine_batch() -> None:
     seen: list[int] = []
     for inst in sim.instances.values():
         assert inst.max_batch == 4
-        plan = inst._plan_iteration
+        plan = inst.engine.plan
 
         def watched(inst: Any = inst, plan: Any = plan) -> Any:
             out = plan()
             seen.append(len(inst.running))
             return out
 
-        inst._plan_iteration = watched  # type: ignore[method-assign]
+        inst.engine.plan = watched  # type: ignore[method-assign]
     result = sim.run()
     assert result.metrics()["completed"] > 0 and seen and max(seen) == 4  # reached, never passed
 

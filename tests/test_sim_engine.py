@@ -329,10 +329,10 @@ async def test_invalid_requests_fail_without_stopping_the_engine() -> None:
 class FaultyEngine(SimEngine):
     """Fault injection: the engine fails while sampling for one request."""
 
-    def _next_token(self, sim: _SimRequest) -> int:
-        if sim.request.request_id == "boom" and len(sim.generated) == 3:
+    def _token_at(self, sim: _SimRequest, index: int) -> int:
+        if sim.request_id == "boom" and index == 3:
             raise RuntimeError("injected sampler fault")
-        return super()._next_token(sim)
+        return super()._token_at(sim, index)
 
 
 async def test_a_request_that_breaks_the_engine_gets_an_error_output() -> None:
