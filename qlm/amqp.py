@@ -23,6 +23,7 @@ import importlib.metadata
 import re
 import struct
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 from urllib.parse import quote, unquote, urlsplit
@@ -257,12 +258,14 @@ async def connect(url: str, *, name: str, timeout: float | None = 30.0) -> Abstr
     urls = split_urls(url)
     props: dict[str, Any] = {"connection_name": name}
     if len(urls) == 1:
-        return await aio_pika.connect_robust(
+        single = await aio_pika.connect_robust(
             urls[0],
             client_properties=props,
             reconnect_interval=RECONNECT_INTERVAL_S,
             timeout=timeout,
         )
+        _log_reconnects(single, name)
+        return single
     conn = MultiNodeConnection(
         urls,
         client_properties=props,
@@ -277,7 +280,49 @@ async def connect(url: str, *, name: str, timeout: float | None = 30.0) -> Abstr
         raise ConnectionError(
             f"no broker node answered within {timeout} s: {mask_password(url)}"
         ) from None
+    _log_reconnects(conn, name)
     return conn
+
+
+def _log_reconnects(conn: AbstractRobustConnection, name: str) -> None:
+    """One log line each time the connection is lost and each time it is back: an operator
+    (and ``qlm chaos``) can see every reconnect, not only its effects."""
+
+    def lost(_: Any, exc: BaseException | None = None) -> None:
+        if exc is not None and not isinstance(exc, asyncio.CancelledError):  # else on purpose
+            log.warning("amqp_connection_lost", connection=name, error=repr(exc)[:200])
+
+    def back(_: Any) -> None:
+        log.info("amqp_reconnected", connection=name)
+
+    conn.close_callbacks.add(lost)
+    conn.reconnect_callbacks.add(back)
+
+
+# Robust channels reopened after a nack, and when: at most one reopen a second per channel (a
+# nack fails every publish awaiting a confirm at once, each of which comes here).
+_renewed_at: weakref.WeakKeyDictionary[Any, float] = weakref.WeakKeyDictionary()
+RENEW_AFTER_NACK_EVERY_S = 1.0
+
+
+async def _renew_after_nack(exchange: AbstractExchange) -> None:
+    """Reopen ``exchange``'s robust channel after the broker nacked a publish on it.
+
+    RabbitMQ 3.10 (``rabbit_fifo_client:enqueue/3``) nacks every publish to a quorum queue, for
+    as long as the channel lives, on a channel whose first publish to that queue met the
+    queue's dead leader (docs/reliability.md, "Quorum leader killed"). Closing the channel's
+    AMQP channel makes the robust channel reopen as a new one (consumers restored), which
+    publishes to the new leader once one is recorded."""
+    channel = getattr(exchange, "channel", None)
+    if not isinstance(channel, aio_pika.RobustChannel):
+        return
+    now = time.monotonic()
+    if now - _renewed_at.get(channel, float("-inf")) < RENEW_AFTER_NACK_EVERY_S:
+        return
+    _renewed_at[channel] = now
+    with contextlib.suppress(Exception):
+        await (await channel.get_underlay_channel()).close()
+    log.warning("publish_channel_reopened_after_nack", exchange=exchange.name)
 
 
 async def publish_confirmed(
@@ -288,6 +333,7 @@ async def publish_confirmed(
     *,
     within_s: float,
     mandatory: bool = True,
+    renew_on_nack: bool = False,
 ) -> None:
     """Publish ``message`` on a publisher-confirms channel and return once confirmed.
 
@@ -296,6 +342,10 @@ async def publish_confirmed(
     its request id or reply id). So on a connection loss or a nack this waits for the robust
     connection to come back and publishes the same message again, for up to ``within_s``
     seconds, then raises the last error. A returned (unroutable) message raises at once.
+
+    ``renew_on_nack``: after a nack, reopen the channel before publishing again (see
+    :func:`_renew_after_nack`); for a channel whose other users tolerate that (its consumers
+    are restored; a publish in flight on it fails and is retried by its caller).
     """
     deadline = time.monotonic() + within_s
     retries = 0
@@ -317,17 +367,8 @@ async def publish_confirmed(
                 error=type(exc).__name__,
                 retry=retries,
             )
-            channel = getattr(exchange, "channel", None)
-            if isinstance(exc, aiormq.exceptions.DeliveryError) and isinstance(
-                channel, aio_pika.RobustChannel
-            ):
-                # A nack. RabbitMQ 3.10 nacks every publish to a quorum queue, for as long as
-                # the channel lives, on a channel whose first publish to it met the queue's
-                # dead leader (docs/reliability.md, "Quorum leader killed"). Closing the
-                # channel's AMQP channel makes the robust channel reopen as a new one (its
-                # consumers restored), which publishes again once a new leader is recorded.
-                with contextlib.suppress(Exception):
-                    await (await channel.get_underlay_channel()).close()
+            if renew_on_nack and isinstance(exc, aiormq.exceptions.DeliveryError):
+                await _renew_after_nack(exchange)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(connection.connected.wait(), left)
             await asyncio.sleep(min(0.2, max(0.0, deadline - time.monotonic())))

@@ -18,7 +18,12 @@ from typing import Any
 
 import structlog
 
-from qlm.chaos.scenarios import SCENARIOS, ChaosSettings, Scenario, ScenarioResult
+from qlm.chaos.scenarios import SCENARIOS as _FAULT_SCENARIOS
+from qlm.chaos.scenarios import ChaosSettings, Scenario, ScenarioResult
+from qlm.chaos.security import SECURITY_SCENARIOS
+
+# every scenario `qlm chaos` knows, in the order it runs them
+SCENARIOS: dict[str, Scenario] = {**_FAULT_SCENARIOS, **SECURITY_SCENARIOS}
 
 __all__ = [
     "SCENARIOS",
