@@ -567,6 +567,9 @@ async def serve_admin(
         log_config=None,
         lifespan="off",
         access_log=False,
+        # not h11: it strips trailing whitespace from header values, so a bearer token with a
+        # trailing space would be taken for the token itself
+        http="httptools",
         timeout_graceful_shutdown=5,
         ssl_certfile=tls_cert,
         ssl_keyfile=tls_key,
