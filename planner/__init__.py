@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 from planner.balancing import PowerOfTwoPolicy, RandomPolicy, RoundRobinPolicy
 from planner.baselines import EDFPolicy, FCFSPolicy
+from planner.edf_shed import EDFShedPolicy
 from planner.gain_density import GainDensityPolicy
 from planner.shepherd import SHEPHERDPolicy
 from planner.stochastic import QLMPolicy
@@ -17,6 +18,7 @@ from qlm.policy import QueuePolicy
 POLICIES: dict[str, Callable[[], QueuePolicy]] = {
     "fcfs": FCFSPolicy,
     "edf": EDFPolicy,
+    "edf-shed": EDFShedPolicy,
     "shepherd": SHEPHERDPolicy,
     "round_robin": RoundRobinPolicy,
     "random": RandomPolicy,
@@ -36,6 +38,7 @@ def create_policy(name: str) -> QueuePolicy:
 __all__ = [
     "POLICIES",
     "EDFPolicy",
+    "EDFShedPolicy",
     "FCFSPolicy",
     "GainDensityPolicy",
     "PowerOfTwoPolicy",
