@@ -8,6 +8,7 @@ import asyncio
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -90,19 +91,59 @@ def test_edf_serves_a_chain_step_by_its_derived_deadline() -> None:
 
 
 def test_streaming_requests_are_judged_on_their_mean_time_between_tokens() -> None:
-    from qlm.coordinator.service import slo_outcome
+    from qlm.control import Completion
 
     core = CoordinatorCore(create_policy("edf"), heartbeat_timeout_s=3.0)
     r = call("s", e2e_ms=None, ttft_ms=2_000, tbt_ms=100)
     t, _ = core.admit(r, object(), reply_to="q", correlation_id="s", received_at=NOW)
     assert t is not None
+
+    def judge(first: float, finished: float, tokens: int) -> Any:
+        c = Completion(
+            agent_id="a",
+            instance_id="i",
+            dispatch_id="d",
+            request_id="s",
+            output_token_ids=list(range(tokens)),
+            output_text="",
+            finish_reason="stop",
+            prompt_tokens=1,
+            started_at=NOW,
+            first_token_at=first,
+            finished_at=finished,
+        )
+        return core.judge_completion(t, c)
+
     # first token after 1 s, then 11 more over 0.55 s: 50 ms apart
-    ok = slo_outcome(t, NOW + 1.0, NOW + 1.55, output_tokens=12)
+    first, ok = judge(NOW + 1.0, NOW + 1.55, 12)
+    assert first == NOW + 1.0
     assert ok.met and ok.ttft_met and ok.tbt_met and ok.tbt_ms == pytest.approx(50.0)
     # a 2-s stall mid-stream (an eviction) makes the mean 232 ms: missed
-    slow = slo_outcome(t, NOW + 1.0, NOW + 3.55, output_tokens=12)
+    _, slow = judge(NOW + 1.0, NOW + 3.55, 12)
     assert slow.ttft_met and slow.tbt_met is False and not slow.met
-    assert slo_outcome(t, NOW + 1.0, NOW + 1.0, output_tokens=1).tbt_met is None
+    assert judge(NOW + 1.0, NOW + 1.0, 1)[1].tbt_met is None
+    # an evicted attempt streamed the first token at 0.5 s: it counts, not the resumed one's
+    t.first_token_at = NOW + 0.5
+    first, resumed = judge(NOW + 2.5, NOW + 3.05, 12)
+    assert first == NOW + 0.5 and resumed.ttft_ms == pytest.approx(500.0)
+
+
+def test_one_slo_judgement_on_plain_numbers() -> None:
+    """The rules the live coordinator and the simulator share (qlm/coordinator/outcome.py)."""
+    from qlm.coordinator.outcome import first_token_time, slo_outcome, task_met
+
+    assert first_token_time(None, None) is None
+    assert first_token_time(3.0, None) == 3.0 and first_token_time(None, 2.0) == 2.0
+    assert first_token_time(3.0, 2.0) == 2.0
+    on_time = slo_outcome(0.0, 0.2, 1.0, 5, e2e_slo_s=1.0, ttft_slo_s=0.2)
+    assert on_time.met and on_time.e2e_met and on_time.ttft_met and on_time.tbt_met is None
+    assert slo_outcome(0.0, None, 1.0, 0, ttft_slo_s=5.0).ttft_met is False
+    # a chain step: judged against its derived deadline, not its own (looser) SLO
+    step = slo_outcome(0.0, 0.1, 1.5, 3, e2e_slo_s=10.0, judged_deadline=1.0)
+    assert step.e2e_met is False and not step.met and step.task_met is None
+    last = slo_outcome(5.0, 5.1, 6.0, 3, e2e_slo_s=10.0, task_started_at=0.0, task_slo_s=5.5)
+    assert last.met and last.task_met is False
+    assert task_met(0.0, 9.0, None) and task_met(0.0, 2.0, 2.0) and not task_met(0.0, 2.1, 2.0)
 
 
 # ---------------------------------------------------------------------------- end to end

@@ -29,11 +29,12 @@ from typing import Any
 
 import structlog
 
-from qlm.chains import CallDeadlines, LateTaskRule, call_deadlines
+from qlm.chains import CallDeadlines, LateTaskRule, call_deadlines, is_last_step
 from qlm.collective import CollectiveTracker, stage_call_deadlines
 from qlm.control import Completion, Evicted, Heartbeat, InstanceInfo, InstanceStatus
+from qlm.coordinator.outcome import first_token_time, slo_outcome
 from qlm.policy import Plan, PlanInstance, PlanRequest, QueuePolicy
-from qlm.types import RequestMessage
+from qlm.types import RequestMessage, SLOOutcome
 from qlm.virtual_queue import VirtualQueue
 
 log = structlog.get_logger(__name__)
@@ -699,6 +700,46 @@ class CoordinatorCore:
         if tracked is not None:
             tracked.instance_id = c.instance_id
         return tracked
+
+    def judge_completion(
+        self, tracked: TrackedRequest, c: Completion
+    ) -> tuple[float | None, SLOOutcome]:
+        """The accepted result's first-token time (the earliest across attempts) and SLO
+        outcome, by the rules the simulator judges its figures with (qlm/coordinator/
+        outcome.py). A call that ends its collective program also closes the program here:
+        its task_met is then whether the program met its deadline."""
+        request = tracked.request
+        slo = request.slo
+        first_token_at = first_token_time(c.first_token_at, tracked.first_token_at)
+        chain = tracked.chain
+        task = request.task
+        # only the step that ends its chain says whether the whole task met its SLA
+        task_started_at = task_slo_s = None
+        if (
+            chain is not None
+            and chain.task_deadline is not None
+            and task is not None
+            and task.task_slo_ms is not None
+            and is_last_step(request)
+        ):
+            task_started_at = task.task_started_at or tracked.submitted_at
+            task_slo_s = task.task_slo_ms / 1000
+        outcome = slo_outcome(
+            tracked.submitted_at,
+            first_token_at,
+            c.finished_at,
+            len(c.output_token_ids),
+            e2e_slo_s=None if slo.e2e_ms is None else slo.e2e_ms / 1000,
+            ttft_slo_s=None if slo.ttft_ms is None else slo.ttft_ms / 1000,
+            tbt_slo_s=None if slo.tbt_ms is None else slo.tbt_ms / 1000,
+            judged_deadline=None if chain is None else chain.judged_deadline,
+            task_started_at=task_started_at,
+            task_slo_s=task_slo_s,
+        )
+        program_met = self.collective.finished(request, len(c.output_token_ids), c.finished_at)
+        if program_met is not None:  # this call ended its collective program
+            outcome = outcome.model_copy(update={"task_met": program_met})
+        return first_token_at, outcome
 
     def _forget_running(self, tracked: TrackedRequest) -> None:
         for inst in self.instances.values():

@@ -30,7 +30,7 @@ from qlm import amqp as qlm_amqp
 from qlm.amqp import escape_raw
 from qlm.capacity_telemetry import AutoscalerView, CapacityTelemetry
 from qlm.catalog import ModelCatalog
-from qlm.chains import LateTaskRule, is_last_step
+from qlm.chains import LateTaskRule
 from qlm.collective import GraphError
 from qlm.control import (
     Completion,
@@ -84,7 +84,6 @@ from qlm.types import (
     ErrorMessage,
     RequestMessage,
     ResultMessage,
-    SLOOutcome,
     Timestamps,
     Usage,
 )
@@ -107,43 +106,6 @@ def _user_id(message: AbstractIncomingMessage) -> str | None:
     connection's user, so it names the producer for certain."""
     value = message.user_id
     return value if isinstance(value, str) and value else None
-
-
-def slo_outcome(
-    t: TrackedRequest,
-    first_token_at: float | None,
-    finished_at: float,
-    output_tokens: int = 0,
-) -> SLOOutcome:
-    slo = t.request.slo
-    e2e_ms = (finished_at - t.submitted_at) * 1000
-    ttft_ms = (first_token_at - t.submitted_at) * 1000 if first_token_at is not None else None
-    e2e_met = None if slo.e2e_ms is None else e2e_ms <= slo.e2e_ms
-    task_met = None
-    if t.chain is not None and t.chain.judged_deadline is not None:
-        e2e_met = finished_at <= t.chain.judged_deadline
-        if is_last_step(t.request) and t.chain.task_deadline is not None:
-            task_met = finished_at <= t.chain.task_deadline
-    ttft_met = None
-    if slo.ttft_ms is not None:
-        ttft_met = ttft_ms is not None and ttft_ms <= slo.ttft_ms
-    # streaming: the mean gap between tokens after the first (a stall from an eviction counts)
-    tbt_ms = tbt_met = None
-    if first_token_at is not None and output_tokens > 1:
-        tbt_ms = (finished_at - first_token_at) * 1000 / (output_tokens - 1)
-        if slo.tbt_ms is not None:
-            tbt_met = tbt_ms <= slo.tbt_ms
-    met = all(x for x in (e2e_met, ttft_met, tbt_met) if x is not None)
-    return SLOOutcome(
-        met=met,
-        e2e_met=e2e_met,
-        ttft_met=ttft_met,
-        e2e_ms=e2e_ms,
-        ttft_ms=ttft_ms,
-        tbt_met=tbt_met,
-        tbt_ms=tbt_ms,
-        task_met=task_met,
-    )
 
 
 # How long a reply whose confirm was lost keeps being published again (after reconnects)
@@ -743,15 +705,8 @@ class Coordinator:
             log.info("duplicate_result_ignored", request_id=c.request_id, instance_id=c.instance_id)
             await ctl_msg.ack()
             return
-        first_token_at = c.first_token_at
-        if t.first_token_at is not None:  # an evicted attempt produced the first tokens
-            first_token_at = min(first_token_at or t.first_token_at, t.first_token_at)
-        outcome = slo_outcome(t, first_token_at, c.finished_at, len(c.output_token_ids))
-        program_met = self.core.collective.finished(
-            t.request, len(c.output_token_ids), c.finished_at
-        )
-        if program_met is not None:  # this call ended its collective program
-            outcome = outcome.model_copy(update={"task_met": program_met})
+        # the one judgement, shared with the simulator (qlm/coordinator/outcome.py)
+        first_token_at, outcome = self.core.judge_completion(t, c)
         result = ResultMessage(
             request_id=t.request_id,
             model=t.request.model,

@@ -38,6 +38,7 @@ import structlog
 from qlm.admission import SLOAdmissionGate, required_speed
 from qlm.chains import CallDeadlines, LateTaskRule, chain_deadlines
 from qlm.collective import CollectiveTracker, stage_call_deadlines
+from qlm.coordinator.outcome import slo_outcome, task_met
 from qlm.engine_model import EngineProfile, get_profile
 from qlm.policy import Plan, PlanRequest, QueuePolicy
 from qlm.service_gain import service_gain
@@ -847,23 +848,24 @@ class ClusterSimulator:
         outcomes = []
         for job in self.jobs.values():
             req = job.req
-            met = job.finished_s is not None
-            e2e_slo_s = req.e2e_slo_s
-            if req.program_id is not None:  # judged against its derived deadline
-                judged = self._judged.get(req.request_id)
-                e2e_slo_s = None if judged is None else judged - req.arrival_s
-            if met and e2e_slo_s is not None:
-                met = job.finished_s - req.arrival_s <= e2e_slo_s  # type: ignore[operator]
-            if met and req.tbt_slo_s is not None and job.generated > 1:
-                # the live coordinator's measure: the mean gap after the first token
-                assert job.finished_s is not None and job.first_token_s is not None
-                gap = (job.finished_s - job.first_token_s) / (job.generated - 1)
-                met = gap <= req.tbt_slo_s
-            if met and req.ttft_slo_s is not None:
-                met = (
-                    job.first_token_s is not None
-                    and job.first_token_s - req.arrival_s <= req.ttft_slo_s
-                )
+            # a call of a program is judged against its derived deadline (qlm/chains.py)
+            judged = self._judged.get(req.request_id) if req.program_id is not None else None
+            e2e_slo_s = req.e2e_slo_s if judged is None else judged - req.arrival_s
+            # the live coordinator's judgement (qlm/coordinator/outcome.py); never finished
+            # by the end of the run: missed. job.first_token_s is already the earliest across
+            # attempts (an evicted attempt's first token counts, as live)
+            met = job.finished_s is not None and (
+                slo_outcome(
+                    req.arrival_s,
+                    job.first_token_s,
+                    job.finished_s,
+                    job.generated,
+                    e2e_slo_s=req.e2e_slo_s,
+                    ttft_slo_s=req.ttft_slo_s,
+                    tbt_slo_s=req.tbt_slo_s,
+                    judged_deadline=judged,
+                ).met
+            )
             outcomes.append(
                 RequestOutcome(
                     request_id=req.request_id,
@@ -960,7 +962,7 @@ class ClusterSimulator:
             start = self._program_start.get(pid)
             end = last[pid]
             slo = req.program_slo_s
-            met = start is not None and end is not None and (slo is None or end - start <= slo)
+            met = start is not None and end is not None and task_met(start, end, slo)
             out.append((req.slo_class, met))
         return out
 
