@@ -1,11 +1,15 @@
 """Ordering policies: the stochastic planner and the baselines (FCFS, EDF).
 
-``create_policy(name)`` is the one factory the CLI and the simulator use.
+``create_policy`` is the one policy factory: the live coordinator (``qlm coordinator``), the
+simulator (``qlm bench sim``, through :func:`simulation_policy`) and the benches build every
+policy with it. What differs between live and simulated runs is an explicit parameter of it
+(the planner's budget clock, its objective), not a second copy of the wiring.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any, Literal
 
 from planner.balancing import PowerOfTwoPolicy, RandomPolicy, RoundRobinPolicy
 from planner.baselines import EDFPolicy, FCFSPolicy
@@ -13,6 +17,7 @@ from planner.edf_shed import EDFShedPolicy
 from planner.gain_density import GainDensityPolicy
 from planner.shepherd import SHEPHERDPolicy
 from planner.stochastic import QLMPolicy
+from qlm.grouping import GroupingConfig
 from qlm.policy import QueuePolicy
 
 POLICIES: dict[str, Callable[[], QueuePolicy]] = {
@@ -28,11 +33,45 @@ POLICIES: dict[str, Callable[[], QueuePolicy]] = {
 }
 
 
-def create_policy(name: str) -> QueuePolicy:
-    try:
-        return POLICIES[name.lower()]()
-    except KeyError:
-        raise ValueError(f"unknown policy {name!r}; choose from {sorted(POLICIES)}") from None
+BudgetClock = Literal["wall", "work"]
+
+
+def create_policy(
+    name: str,
+    *,
+    budget_clock: BudgetClock = "wall",
+    objective: str | None = None,
+    **overrides: Any,
+) -> QueuePolicy:
+    """The policy called ``name`` (case-insensitive; ``ValueError`` names the known ones).
+
+    * ``budget_clock`` - the planner's time budgets: ``"wall"`` (real seconds; the live
+      coordinator) or ``"work"`` (a work counter, so that the same inputs give the same plan
+      on any machine; the simulator). Policies without time budgets ignore it;
+    * ``objective`` - the planner's objective (``QLM_PLANNER_OBJECTIVE`` live): ``None`` keeps
+      its default; policies without one ignore it;
+    * ``overrides`` - constructor arguments (a scenario file's policy variants); the planner's
+      ``grouping`` may be given as a mapping. They win over the two above.
+    """
+    key = name.lower()
+    if key not in POLICIES:
+        raise ValueError(f"unknown policy {name!r}; choose from {sorted(POLICIES)}")
+    if key != "qlm":
+        return POLICIES[key](**overrides)
+    kwargs: dict[str, Any] = {"budget_clock": budget_clock}
+    if objective is not None:
+        kwargs["objective"] = objective
+    kwargs.update(overrides)
+    if isinstance(kwargs.get("grouping"), Mapping):  # from YAML/JSON
+        kwargs["grouping"] = GroupingConfig(**kwargs["grouping"])
+    return QLMPolicy(**kwargs)
+
+
+def simulation_policy(name: str, overrides: Mapping[str, Any]) -> QueuePolicy:
+    """:func:`create_policy` as the simulator calls it (``qlm.simulator.runner.PolicyFactory``):
+    work-clock budgets, so that a published run is reproducible on any machine, unless the
+    scenario variant's ``overrides`` say otherwise."""
+    return create_policy(name, **{"budget_clock": "work", **overrides})
 
 
 __all__ = [
@@ -45,6 +84,8 @@ __all__ = [
     "QLMPolicy",
     "RandomPolicy",
     "RoundRobinPolicy",
+    "BudgetClock",
     "SHEPHERDPolicy",
     "create_policy",
+    "simulation_policy",
 ]

@@ -188,14 +188,12 @@ def _live_autoscaler(s: Settings, coord: Any) -> Any:
 
 
 def _live_policy(name: str, s: Settings) -> Any:
-    """The coordinator's ordering policy; the planner's objective from QLM_PLANNER_OBJECTIVE."""
+    """The coordinator's ordering policy from the one factory: wall-clock budgets and the
+    planner's objective from QLM_PLANNER_OBJECTIVE; an unknown name is a usage error."""
     from planner import create_policy
-    from planner.stochastic import QLMConfig, QLMPolicy
 
-    if name == "qlm" and s.planner_objective != "attainment":
-        return QLMPolicy(QLMConfig(objective=s.planner_objective))
     try:
-        return create_policy(name)
+        return create_policy(name, budget_clock="wall", objective=s.planner_objective)
     except ValueError as e:
         raise typer.BadParameter(str(e)) from e
 
@@ -1000,23 +998,6 @@ def bench_planner_exact(
     run_exact_check(selected, time_limit=time_limit, json_path=json_out, echo=typer.echo)
 
 
-def _sim_policy(name: str, overrides: Any) -> Any:
-    """The simulator's policy factory: planner.create_policy plus constructor overrides."""
-    from planner import POLICIES
-    from planner.stochastic import QLMPolicy
-    from qlm.grouping import GroupingConfig
-
-    if name not in POLICIES:
-        raise ValueError(f"unknown policy {name!r}; choose from {sorted(POLICIES)}")
-    kwargs = dict(overrides)
-    if name == "qlm":
-        kwargs.setdefault("budget_clock", "work")  # reproducible plans on any machine
-        if isinstance(kwargs.get("grouping"), dict):
-            kwargs["grouping"] = GroupingConfig(**kwargs["grouping"])
-        return QLMPolicy(**kwargs)
-    return POLICIES[name](**kwargs)
-
-
 @bench_app.command("sim")
 def bench_sim(
     scenario: Annotated[str | None, typer.Option(help="a named scenario (see --list)")] = None,
@@ -1074,10 +1055,12 @@ def bench_sim(
     if dump_:
         typer.echo(dump(spec))
         return
+    from planner import simulation_policy
+
     names = [p.strip() for p in policies.split(",") if p.strip()] if policies else None
     for name in names or spec.policies:
         try:
-            _sim_policy(name, {})
+            simulation_policy(name, {})
         except ValueError as e:
             raise typer.BadParameter(str(e)) from e
     command = "qlm bench sim " + " ".join(sys.argv[3:]) if len(sys.argv) > 3 else ""
@@ -1091,7 +1074,7 @@ def bench_sim(
         run_sim_bench(
             spec,
             preset,
-            _sim_policy,
+            simulation_policy,
             command=command.strip(),
             policies=names,
             out_dir=out,

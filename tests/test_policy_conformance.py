@@ -30,7 +30,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from planner import POLICIES, create_policy
+from planner import POLICIES, create_policy, simulation_policy
+from planner.stochastic import QLMPolicy
+from qlm.grouping import GroupingConfig
 from qlm.policy import Plan, PlanInstance, PlanRequest, QueuePolicy
 from qlm.virtual_queue import VirtualQueue
 from tests.builders import make_instance, make_plan_request
@@ -326,6 +328,25 @@ def test_edf_orders_by_deadline_and_fcfs_by_arrival() -> None:
 def test_unknown_policy_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match="unknown policy"):
         create_policy("nope")
+    with pytest.raises(ValueError, match="unknown policy"):
+        simulation_policy("nope", {})
+
+
+def test_one_factory_live_and_simulated_differ_only_by_parameters() -> None:
+    """Live: wall-clock budgets, the objective from the settings; simulated: work-clock budgets
+    (reproducible plans), a scenario variant's overrides (grouping as a mapping from YAML)."""
+    live = create_policy("qlm", objective="service-gain")
+    assert isinstance(live, QLMPolicy)
+    assert live.config.budget_clock == "wall" and live.config.objective == "service-gain"
+    sim = simulation_policy("qlm", {"grouping": {"delta": 2.0}, "slo_quantile": 0.8})
+    assert isinstance(sim, QLMPolicy) and sim.config.budget_clock == "work"
+    assert isinstance(sim.config.grouping, GroupingConfig) and sim.config.grouping.delta == 2.0
+    assert sim.config.slo_quantile == 0.8
+    kept = simulation_policy("qlm", {"budget_clock": "wall"})
+    assert isinstance(kept, QLMPolicy) and kept.config.budget_clock == "wall"
+    # the planner's parameters mean nothing to the baselines: ignored, not an error
+    assert create_policy("EDF", budget_clock="work", objective="service-gain").name == "edf"
+    assert simulation_policy("fcfs", {}).name == "fcfs"
 
 
 def test_the_paper_baselines_are_registered() -> None:

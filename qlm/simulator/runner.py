@@ -1,6 +1,6 @@
 """Run every policy of a scenario (and every point of its sweep) and build the summary.
 
-Policies are built by a factory the caller passes in (the CLI passes ``planner.create_policy``),
+Policies are built by a factory the caller passes in (the CLI passes ``planner.simulation_policy``),
 so qlm's core does not import the planner. Every policy sees the same requests (built once per
 sweep point from the scenario's seed), the same instances and the same engine model.
 """
