@@ -14,8 +14,8 @@ from typing import Any
 import yaml
 
 from qlm.simulator.presets import PRESETS, Preset
-from qlm.simulator.report import render_console_table, write_outputs
-from qlm.simulator.runner import PolicyFactory, PolicyVariant, run_scenario
+from qlm.simulator.report import aggregate_seeds, render_console_table, write_outputs
+from qlm.simulator.runner import PolicyFactory, PolicyVariant, r_squared, run_scenario
 from qlm.simulator.scenario import ScenarioSpec, load_scenario
 from qlm.simulator.targets import evaluate
 
@@ -47,23 +47,38 @@ def run_sim_bench(
     json_path: Path | None = None,
     echo: Callable[[str], None] = print,
     show_progress: bool = True,
+    seeds: list[int] | None = None,
 ) -> dict[str, Any]:
+    """Run every column at every point, once per seed (``seeds``, else the scenario's
+    ``seeds``, else its single ``seed``); over several seeds the summary holds the mean and
+    the sample sd (:func:`qlm.simulator.report.aggregate_seeds`)."""
     overrides = preset.policy_overrides if preset else {}
     names = policies or list(spec.policies)
     variants = [PolicyVariant(p, p, overrides.get(p, {})) for p in names]
     if preset is not None and preset.variants is not None and not policies:
         variants = preset.variants()
+    run_seeds = list(seeds) if seeds else spec.run_seeds()
+    if len(set(run_seeds)) != len(run_seeds) or min(run_seeds) < 0:
+        raise ValueError(f"seeds must be distinct and >= 0, got {run_seeds}")
     started = time.perf_counter()
+    summaries = []
     with _ProgressBar(show_progress) as progress:
-        summary = run_scenario(
-            spec,
-            factory,
-            command=command,
-            variants=variants,
-            policy_sweep=preset.policy_sweep() if preset and preset.policy_sweep else None,
-            record_estimates=bool(preset and preset.record_estimates),
-            progress=progress,
-        )
+        for seed in run_seeds:
+            tagged = progress
+            if progress is not None and len(run_seeds) > 1:
+                tagged = _tag_progress(progress, f"seed {seed}")
+            summaries.append(
+                run_scenario(
+                    spec.with_seed(seed),
+                    factory,
+                    command=command,
+                    variants=variants,
+                    policy_sweep=preset.policy_sweep() if preset and preset.policy_sweep else None,
+                    record_estimates=bool(preset and preset.record_estimates),
+                    progress=tagged,
+                )
+            )
+    summary = summaries[0] if len(summaries) == 1 else _combine(summaries, run_seeds)
     wall = time.perf_counter() - started
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     summary["run"] = {"wall_s": round(wall, 1), "peak_rss_mb": round(peak_mb)}
@@ -79,6 +94,24 @@ def run_sim_bench(
     if out_dir is not None or json_path is not None:
         for path in write_outputs(summary, out_dir, json_path):
             echo(f"wrote {path}")
+    return summary
+
+
+def _tag_progress(progress: Callable[[str, float], None], tag: str) -> Callable[[str, float], None]:
+    return lambda name, fraction: progress(f"{name} ({tag})", fraction)
+
+
+def _combine(summaries: list[dict[str, Any]], seeds: list[int]) -> dict[str, Any]:
+    """The seeds' summaries as one: metrics averaged; the RCT scatter pooled over seeds;
+    SABER's speed fits those of the first seed."""
+    summary = aggregate_seeds(summaries, seeds)
+    scatters = [s["scatter"] for s in summaries if "scatter" in s]
+    if scatters:
+        pooled = dict(scatters[0])
+        pooled["x"] = [x for sc in scatters for x in sc["x"]]
+        pooled["y"] = [y for sc in scatters for y in sc["y"]]
+        pooled["r2"] = r_squared(pooled["x"], pooled["y"])
+        summary["scatter"] = pooled
     return summary
 
 

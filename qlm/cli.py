@@ -1016,6 +1016,13 @@ def bench_sim(
         bool, typer.Option("--dump", help="print the scenario as YAML and exit")
     ] = False,
     progress: Annotated[bool, typer.Option(help="progress bar on stderr")] = True,
+    seeds: Annotated[
+        str | None,
+        typer.Option(
+            help="comma-separated seeds, e.g. 0,1,2: the scenario runs once per seed and the "
+            "tables show mean ± sd (default: the scenario's seeds, else its one seed)"
+        ),
+    ] = None,
     hours: Annotated[
         float, typer.Option(min=0.05, help="capacity scenario: simulated hours (a day: 24)")
     ] = 24.0,
@@ -1058,6 +1065,12 @@ def bench_sim(
     from planner import simulation_policy
 
     names = [p.strip() for p in policies.split(",") if p.strip()] if policies else None
+    try:
+        seed_list = [int(x) for x in seeds.split(",") if x.strip()] if seeds else None
+    except ValueError:
+        raise typer.BadParameter(f"--seeds takes comma-separated integers, not {seeds!r}") from None
+    if seed_list is not None and (len(set(seed_list)) != len(seed_list) or min(seed_list) < 0):
+        raise typer.BadParameter(f"--seeds must be distinct integers >= 0, got {seeds!r}")
     for name in names or spec.policies:
         try:
             simulation_policy(name, {})
@@ -1081,6 +1094,7 @@ def bench_sim(
             json_path=json_out,
             echo=typer.echo,
             show_progress=progress,
+            seeds=seed_list,
         )
     except ScenarioError as e:  # e.g. a malformed trace row, found when building requests
         raise typer.BadParameter(str(e)) from e

@@ -118,7 +118,8 @@ def wb() -> dict[str, Any]:
         "duration_s": 600,
         "pools": [_pool("A100-80GB", 2, ["mistral-7b"])],
         "streams": _wb_streams(WB_RATES[0]),
-        "policies": BASELINES,
+        # edf-shed: EDF plus demotion of requests predicted to miss (issue 17's baseline)
+        "policies": ["qlm", "edf", "edf-shed", "fcfs", "shepherd"],
         "options": {"drain_s": 1800},
         "sweep": {
             "parameter": "streams",

@@ -9,6 +9,9 @@ The summary (built by :func:`qlm.simulator.runner.run_scenario`) is a JSON-ready
      "misses": [str, ...]}                                                     # optional
 
 Without a sweep every metric is a scalar; with one, a list aligned with ``sweep["values"]``.
+A run over several seeds (:func:`aggregate_seeds`) holds the mean over seeds in ``policies``,
+the sample standard deviation in ``sd`` (same shape) and each seed's ``policies`` in
+``per_seed``; tables then show ``mean ± sd``.
 Metrics may be ``None`` (or NaN): tables show "–", plots leave a gap, the JSON says ``null``.
 
 :func:`write_outputs` is all-or-nothing: everything is rendered into a temporary directory next
@@ -130,6 +133,62 @@ def _number(value: Any) -> float | None:
         return None
     x = float(value)
     return x if math.isfinite(x) else None
+
+
+# ------------------------------------------------------------------------------ several seeds
+
+
+def _mean_sd(values: Sequence[Any]) -> tuple[float | None, float | None]:
+    """Mean and sample standard deviation of the finite numbers among ``values``."""
+    xs = [x for x in (_number(v) for v in values) if x is not None]
+    if not xs:
+        return None, None
+    mean = sum(xs) / len(xs)
+    if len(xs) < 2:
+        return mean, None
+    return mean, math.sqrt(sum((x - mean) ** 2 for x in xs) / (len(xs) - 1))
+
+
+def _aggregate_metric(values: Sequence[Any]) -> tuple[Any, Any]:
+    """(mean, sd) of one metric over seeds, point by point when it is a sweep's list; a
+    non-numeric value is the first seed's, with no sd."""
+    first = values[0]
+    if _is_list(first):
+        pairs = [_aggregate_metric([v[k] for v in values]) for k in range(len(first))]
+        return [m for m, _ in pairs], [d for _, d in pairs]
+    if not all(_is_numeric_cell(v) for v in values):
+        return first, None
+    return _mean_sd(values)
+
+
+def aggregate_seeds(summaries: Sequence[Mapping[str, Any]], seeds: Sequence[int]) -> dict:
+    """One summary from runs of the same scenario and columns over ``seeds``: the first run's
+    keys, every metric the mean over seeds (``sd``: the sample standard deviation, ``None``
+    for one seed or a metric with fewer than two values), ``per_seed``: each run's policies."""
+    if not summaries or len(summaries) != len(seeds):
+        raise ValueError("aggregate_seeds needs one summary per seed")
+    out = dict(summaries[0])
+    out["seed"] = seeds[0]
+    out["seeds"] = list(seeds)
+    policies: dict[str, dict[str, Any]] = {}
+    spread: dict[str, dict[str, Any]] = {}
+    for name, entry in summaries[0]["policies"].items():
+        runs = [s["policies"][name] for s in summaries]
+        mean_entry: dict[str, Any] = {}
+        sd_entry: dict[str, Any] = {}
+        for key, value in entry.items():
+            if key == BY_CLASS or (isinstance(value, Mapping) and key.endswith("_by_class")):
+                mean_entry[key], sd_entry[key] = {}, {}
+                for cls in value:
+                    m, d = _aggregate_metric([r.get(key, {}).get(cls) for r in runs])
+                    mean_entry[key][cls], sd_entry[key][cls] = m, d
+                continue
+            mean_entry[key], sd_entry[key] = _aggregate_metric([r.get(key) for r in runs])
+        policies[name], spread[name] = mean_entry, sd_entry
+    out["policies"] = policies
+    out["sd"] = spread
+    out["per_seed"] = {str(seed): s["policies"] for seed, s in zip(seeds, summaries, strict=True)}
+    return out
 
 
 # ------------------------------------------------------------------------------------- tables
@@ -274,28 +333,47 @@ def _build_table(summary: Mapping[str, Any], *, compact: bool) -> _Table:
         *(c.header for c in extras),
     ]
 
-    def cells(entry: Mapping[str, Any], point: int | None) -> list[str]:
+    sd_given = summary.get("sd")
+    spread: Mapping[str, Any] = sd_given if isinstance(sd_given, Mapping) else {}
+
+    def cells(name: str, entry: Mapping[str, Any], point: int | None) -> list[str]:
         by_class = entry.get(BY_CLASS, {})
         by_class_str = {str(k): v for k, v in by_class.items()}
+        sd = spread.get(name, {})
+        sd_class = {str(k): v for k, v in sd.get(BY_CLASS, {}).items()}
         completed = _count(_at(entry.get("completed"), point))
         requests = _count(_at(entry.get("requests"), point))
+
+        def cell(fmt: Callable[[Any], str], value: Any, dev: Any) -> str:
+            return _with_sd(fmt, _at(value, point), _at(dev, point))
+
         return [
-            *(c.fmt(_at(entry.get(c.key), point)) for c in _LEADING),
-            *(_percent(_at(by_class_str.get(cls), point)) for cls in classes),
-            *(c.fmt(_at(entry.get(c.key), point)) for c in _TRAILING),
+            *(cell(c.fmt, entry.get(c.key), sd.get(c.key)) for c in _LEADING),
+            *(cell(_percent, by_class_str.get(cls), sd_class.get(cls)) for cls in classes),
+            *(cell(c.fmt, entry.get(c.key), sd.get(c.key)) for c in _TRAILING),
             MISSING if MISSING in (completed, requests) else f"{completed}/{requests}",
             _PLANNER.fmt(_at(entry.get(_PLANNER.key), point)),
-            *(c.fmt(_at(entry.get(c.key), point)) for c in extras),
+            *(cell(c.fmt, entry.get(c.key), sd.get(c.key)) for c in extras),
         ]
 
     policies = summary["policies"]
     rows: list[list[str]] = []
     if sweep is None:
-        rows = [[str(name), *cells(entry, None)] for name, entry in policies.items()]
+        rows = [[str(name), *cells(name, entry, None)] for name, entry in policies.items()]
     else:
         for point, label in enumerate(_point_labels(sweep)):
-            rows += [[label, str(name), *cells(entry, point)] for name, entry in policies.items()]
+            rows += [
+                [label, str(name), *cells(name, entry, point)] for name, entry in policies.items()
+            ]
     return _Table(headers, len(labels), rows)
+
+
+def _with_sd(fmt: Callable[[Any], str], value: Any, sd: Any) -> str:
+    """``mean ± sd`` when a spread over seeds is known, else the value alone."""
+    text = fmt(value)
+    if _number(sd) is None or text == MISSING:
+        return text
+    return f"{text} ± {fmt(sd)}"
 
 
 def _misses(summary: Mapping[str, Any]) -> list[str]:
@@ -406,7 +484,11 @@ def results_markdown(summary: Mapping[str, Any], plots: Sequence[str] = ()) -> s
         lines += [str(summary["description"]), ""]
     if summary.get("command"):
         lines.append(f"- command: `{summary['command']}`")
-    if summary.get("seed") is not None:
+    seeds = summary.get("seeds")
+    if isinstance(seeds, list | tuple) and len(seeds) > 1:
+        listed = ", ".join(str(x) for x in seeds)
+        lines.append(f"- seeds: {listed} (every figure: mean ± sample sd over the seeds)")
+    elif summary.get("seed") is not None:
         lines.append(f"- seed: {summary['seed']}")
     sweep = summary.get("sweep")
     if sweep is not None:

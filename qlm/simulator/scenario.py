@@ -15,7 +15,7 @@ import json
 from dataclasses import replace
 from functools import cache
 from pathlib import Path
-from typing import Any, Literal, Self
+from typing import Annotated, Any, Literal, Self
 
 import structlog
 import yaml
@@ -325,6 +325,9 @@ class ScenarioSpec(_Strict):
     description: str = ""
     duration_s: float = Field(gt=0)  # arrivals in [0, duration_s)
     seed: int = Field(default=0, ge=0)
+    # run the whole scenario once per seed and report mean ± sd (``qlm bench sim --seeds``
+    # overrides it); None: the single ``seed`` above
+    seeds: list[Annotated[int, Field(ge=0)]] | None = Field(default=None, min_length=1)
     # alias -> catalog model, e.g. "mistral-ft-3": "mistral-7b"; aliases may not shadow
     # catalog names.
     models: dict[str, str] = Field(default_factory=dict)
@@ -385,6 +388,14 @@ class ScenarioSpec(_Strict):
         _set_path(data, path, value)
         return ScenarioSpec.model_validate(data)
 
+    def run_seeds(self) -> list[int]:
+        """The seeds a run covers: ``seeds`` if given, else the single ``seed``."""
+        return list(self.seeds) if self.seeds else [self.seed]
+
+    def with_seed(self, seed: int) -> ScenarioSpec:
+        """A copy drawing its requests from ``seed`` (and running that seed alone)."""
+        return self.model_copy(update={"seed": seed, "seeds": None})
+
     def sweep_points(self) -> list[tuple[str, ScenarioSpec]]:
         """(label, scenario) for each sweep value, the sweep applied and removed; without a
         sweep, the scenario itself under the label ``""``."""
@@ -408,6 +419,8 @@ class ScenarioSpec(_Strict):
         self._check_pools()
         self._check_streams()
         self._check_variants()
+        if self.seeds is not None and len(set(self.seeds)) != len(self.seeds):
+            raise _field_error("seeds", f"repeats a seed: {self.seeds}")
         if self.sweep is not None:
             self._check_sweep(self.sweep)
         return self
