@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aio_pika
+import aiormq
 import structlog
 from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractRobustConnection
 from pydantic import ValidationError
@@ -111,6 +112,12 @@ class Agent:
         self.log = log.bind(agent_id=self.agent_id)
         self._conn: AbstractRobustConnection | None = None
         self._pub: AbstractChannel | None = None
+        self._pub_lock = asyncio.Lock()
+        # Strong references: a robust connection holds its channels only weakly and restores
+        # after a reconnect only those still alive (with the queues declared through them).
+        self._sub: AbstractChannel | None = None
+        self._dispatch_queue: Any = None
+        self.reconnects = 0
         self._tasks: list[asyncio.Task[None]] = []
         self._side_tasks: set[asyncio.Task[None]] = set()
         self._wake = asyncio.Event()
@@ -121,10 +128,11 @@ class Agent:
     async def start(self) -> None:
         self._conn = await connect(self.amqp_url, name=f"qlm-{self.agent_id}")
         self._pub = await self._conn.channel(publisher_confirms=True)
-        sub = await self._conn.channel()
-        await sub.set_qos(prefetch_count=1000)
-        queue = await declare_agent_queue(sub, self.agent_id)
-        await queue.consume(self._on_dispatch, no_ack=False)
+        self._sub = await self._conn.channel()
+        await self._sub.set_qos(prefetch_count=1000)
+        self._dispatch_queue = await declare_agent_queue(self._sub, self.agent_id)
+        await self._dispatch_queue.consume(self._on_dispatch, no_ack=False)
+        self._conn.reconnect_callbacks.add(self._on_reconnected)
         for inst in self.instances.values():
             inst.engine.set_capacity_listener(self._wake.set)
             await inst.engine.start(self._make_output_handler(inst))
@@ -169,21 +177,89 @@ class Agent:
 
     async def _publish(self, body: str, *, persistent: bool = False, live: bool = False) -> None:
         """Completions and goodbyes go to the durable control queue (persistent); heartbeats
-        and pulls (``live``) to the transient one."""
-        assert self._pub is not None
-        exchange = await self._pub.get_exchange(CONTROL_EXCHANGE, ensure=False)
-        await exchange.publish(
-            aio_pika.Message(
-                body.encode(),
-                content_type=CONTENT_TYPE,
-                delivery_mode=(
-                    aio_pika.DeliveryMode.PERSISTENT
-                    if persistent
-                    else aio_pika.DeliveryMode.NOT_PERSISTENT
+        and pulls (``live``) to the transient one. A nack renews the publishing channel (see
+        :meth:`_renew_publisher`) before it is raised to the caller, who publishes again."""
+        channel = self._pub
+        assert channel is not None
+        exchange = await channel.get_exchange(CONTROL_EXCHANGE, ensure=False)
+        try:
+            await exchange.publish(
+                aio_pika.Message(
+                    body.encode(),
+                    content_type=CONTENT_TYPE,
+                    delivery_mode=(
+                        aio_pika.DeliveryMode.PERSISTENT
+                        if persistent
+                        else aio_pika.DeliveryMode.NOT_PERSISTENT
+                    ),
                 ),
-            ),
-            routing_key=LIVE_ROUTING_KEY if live else COORDINATOR_ROUTING_KEY,
-        )
+                routing_key=LIVE_ROUTING_KEY if live else COORDINATOR_ROUTING_KEY,
+            )
+        except aiormq.exceptions.PublishError:
+            raise
+        except aiormq.exceptions.DeliveryError:
+            await self._renew_publisher(channel)
+            raise
+
+    async def _renew_publisher(self, broken: AbstractChannel) -> None:
+        """Replace the publishing channel after the broker nacked a publish on it.
+
+        RabbitMQ 3.10 (``rabbit_fifo_client:enqueue/3``): a channel's first publish to a quorum
+        queue registers the channel with the queue, after a ``rpc:call`` to the node at the
+        head of the member list the channel took from the queue's record - the leader when the
+        channel first routed to it. If that node is down, the publish is rejected (a nack) and
+        the channel's state is left as it was, so every later publish on that channel asks the
+        same dead node again and is nacked too, for as long as the channel lives. That happens
+        to a channel restored right after its node died, while the queue's record still names
+        the dead leader: the agent's completions were nacked for 10 minutes while its
+        heartbeats (a classic queue) went through, so it was never declared lost. Only a new
+        channel (a new channel process on the broker) recovers, once a new leader is
+        recorded; until then the new one may be nacked too and is replaced again."""
+        async with self._pub_lock:
+            if self._pub is not broken or self._conn is None:
+                return  # another publisher renewed it already
+            try:
+                fresh = await self._conn.channel(publisher_confirms=True)
+            except Exception as exc:  # e.g. reconnecting: the next nack tries again
+                self.log.warning("publish_channel_renew_failed", error=repr(exc))
+                return
+            self._pub = fresh
+            self.log.warning("publish_channel_renewed", reason="nacked")
+        with contextlib.suppress(Exception):
+            await broken.close()
+
+    def _on_reconnected(self, *_: Any) -> None:
+        """The connection came back (on this node or another): the exclusive dispatch queue
+        died with the old one, and any dispatch still in it with it. The coordinator learns
+        this from the broker's event exchange when it can, but that is best effort: its own
+        event connection may have died with the same node (a cluster node killed), and a
+        reconnect within the heartbeat timeout hides the gap from liveness checks. So the
+        agent says it itself: a goodbye (the coordinator moves this agent's queued and
+        running work elsewhere, as for a lost agent), then its heartbeats register it again.
+        Results of work it was still running are accepted once, whichever arrives first."""
+        self.reconnects += 1
+        task = asyncio.create_task(self._announce_new_session())
+        self._side_tasks.add(task)
+        task.add_done_callback(self._side_tasks.discard)
+
+    async def _announce_new_session(self) -> None:
+        body = Goodbye(agent_id=self.agent_id).model_dump_json()
+        delay = 0.1
+        deadline = time.monotonic() + 60.0
+        while True:
+            try:
+                await self._publish(body, persistent=True)
+                self.log.warning("agent_reconnected", reconnects=self.reconnects)
+                return
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                if time.monotonic() > deadline:
+                    self.log.error("reconnect_goodbye_failed", error=repr(exc))
+                    return
+                self.log.warning("reconnect_goodbye_retry", error=repr(exc))
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)
 
     # ------------------------------------------------------------------ orders
     async def _on_dispatch(self, message: AbstractIncomingMessage) -> None:

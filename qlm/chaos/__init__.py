@@ -94,6 +94,7 @@ def results_json(results: Sequence[ScenarioResult], settings: ChaosSettings) -> 
         "settings": {
             "requests": settings.requests,
             "leader_kill_requests": settings.leader_kill_requests,
+            "leader_kill_late_requests": settings.leader_kill_late_requests,
             "max_tokens": settings.max_tokens,
             "time_scale": settings.time_scale,
             "heartbeat_timeout_s": settings.heartbeat_timeout_s,

@@ -154,6 +154,23 @@ class RabbitCluster:
             if row.get("type") == "quorum"
         }
 
+    async def queue_counts(self, via: RabbitNode, vhost: str) -> dict[str, tuple[int, int]]:
+        """Queue name -> (messages ready, messages unacked), from the management API of
+        ``via`` (its figures lag by up to the stats interval, 5 s)."""
+        async with httpx.AsyncClient(
+            base_url=via.management_url(), auth=("guest", "guest"), timeout=30
+        ) as http:
+            resp = await http.get(f"api/queues/{quote(vhost, safe='')}")
+            resp.raise_for_status()
+            rows: list[dict[str, Any]] = resp.json()
+        return {
+            row["name"]: (
+                int(row.get("messages_ready") or 0),
+                int(row.get("messages_unacknowledged") or 0),
+            )
+            for row in rows
+        }
+
     def down(self) -> None:
         for node in reversed(self.nodes):
             try:

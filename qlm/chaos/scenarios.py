@@ -13,11 +13,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections import Counter
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote, unquote, urlsplit
@@ -72,6 +75,9 @@ class ChaosSettings:
     workdir: Path
     requests: int = 1200  # per scenario; >= 1,000 in flight at the fault is the target
     leader_kill_requests: int = 5000
+    # published right after the leader kill by a producer whose channel had not published to
+    # the shards yet (its first publish to each meets the dead leader: docs/reliability.md)
+    leader_kill_late_requests: int = 100
     max_tokens: int = 300
     time_scale: float = 1.0  # sim agents' speed-up over the hardware they model
     reply_timeout_s: float = 600.0
@@ -150,14 +156,51 @@ async def _instance_status(cluster: LocalCluster, admin_url: str | None = None) 
         return {row["instance_id"]: row["status"] for row in r.json()}
 
 
-async def _wait_agent_lost(cluster: LocalCluster, agent_id: str, timeout: float) -> float | None:  # noqa: ASYNC109
-    """Seconds until every instance of ``agent_id`` shows as lost on the admin API."""
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout:
+def _declared_lost_at(coordinator_log: str, instance_ids: set[str], since: float) -> float | None:
+    """Wall-clock time by which the coordinator's log shows every one of ``instance_ids``
+    declared lost (``instance_lost``) at or after ``since``; None while one is missing."""
+    first: dict[str, float] = {}
+    for line in coordinator_log.splitlines():
+        if '"instance_lost"' not in line:
+            continue
+        try:
+            rec = json.loads(line)
+            at = datetime.fromisoformat(str(rec["timestamp"]).replace("Z", "+00:00")).timestamp()
+        except (ValueError, KeyError, TypeError):
+            continue
+        iid = rec.get("instance_id")
+        if iid in instance_ids and at >= since and iid not in first:
+            first[iid] = at
+    if not instance_ids or set(first) != instance_ids:
+        return None
+    return max(first.values())
+
+
+async def _wait_agent_lost(  # noqa: ASYNC109
+    cluster: LocalCluster, agent_id: str, timeout: float, since: float | None = None
+) -> float | None:
+    """Seconds until every instance of ``agent_id`` was declared lost: from ``since`` (wall
+    clock, e.g. the fault) to the coordinator's ``instance_lost`` log lines, or from the call
+    to the admin API showing them lost, whichever is seen first.
+
+    The log is what counts: an agent whose connection was cut reconnects at once and its next
+    heartbeat (0.5 s later at most) registers it again, so ``lost`` may show on the admin API
+    for a fraction of a second only - a poll can miss it on a loaded machine, which reported
+    agent-disconnect as "never declared lost" while the coordinator had done so at once."""
+    start = time.time() if since is None else since
+    deadline = time.monotonic() + timeout
+    ids: set[str] = set()
+    while time.monotonic() < deadline:
+        api_lost = False
         with contextlib.suppress(httpx.HTTPError):
             mine = {k: v for k, v in (await _instance_status(cluster)).items() if agent_id in k}
-            if mine and all(v == "lost" for v in mine.values()):
-                return time.monotonic() - t0
+            ids |= set(mine)
+            api_lost = bool(mine) and all(v == "lost" for v in mine.values())
+        lost_at = _declared_lost_at(cluster.logs("coordinator"), ids, start)
+        if lost_at is not None:
+            return max(0.0, lost_at - start)
+        if api_lost:
+            return time.time() - start
         await asyncio.sleep(0.1)
     return None
 
@@ -169,6 +212,36 @@ async def _fault_point(load: ChaosLoad, min_answered: int = 30) -> int:
     return load.outstanding()
 
 
+async def _stall_notes(load: ChaosLoad, admin_url: str, token: str, sample: int = 40) -> list[str]:
+    """Where unanswered requests are, when some are: the coordinator's view of a sample of
+    them (state and instance, from the admin API). Empty when every request was answered."""
+    assert load.client is not None
+    missing = sorted(load.client.outstanding_ids())
+    if not missing:
+        return []
+    seen: Counter[str] = Counter()
+    async with httpx.AsyncClient(
+        base_url=admin_url, headers={"Authorization": f"Bearer {token}"}, timeout=5
+    ) as http:
+        for rid in missing[:sample]:
+            try:
+                resp = await http.get(f"/v1/requests/{quote(rid, safe='')}")
+                body = resp.json() if resp.status_code == 200 else None
+            except (httpx.HTTPError, ValueError) as exc:
+                seen[f"admin API error {type(exc).__name__}"] += 1
+                continue
+            if resp.status_code == 404:
+                seen["unknown to the coordinator"] += 1
+                continue
+            live = body.get("live") if isinstance(body, dict) else None
+            if live is None:
+                seen[f"not tracked (HTTP {resp.status_code})"] += 1
+            else:
+                seen[f"{live.get('state')} on {live.get('instance_id')}"] += 1
+    where = ", ".join(f"{k}: {v}" for k, v in seen.most_common())
+    return [f"{len(missing)} unanswered; the coordinator's view of {sum(seen.values())}: {where}"]
+
+
 def _result(
     name: str,
     load: ChaosLoad,
@@ -178,8 +251,16 @@ def _result(
     started: float,
     notes: list[str],
     fault_at: float | None = None,
+    extra: Sequence[ChaosLoad] = (),
 ) -> ScenarioResult:
-    answered = load.answered()
+    """The scenario's row. ``extra``: more loads whose requests count in sent, answered, lost
+    and duplicates (not in the reply rate, which is ``load``'s)."""
+    loads = [load, *extra]
+    answered = sum(x.answered() for x in loads)
+    sent = sum(x.n for x in loads)
+    failed = sum(x.publish_failures for x in loads)
+    if failed:
+        notes.append(f"{failed} requests never confirmed by the broker (counted as lost)")
     if fault_at is not None:
         back = recovery_time(load.reply_times(), fault_at)
         notes.append(
@@ -191,13 +272,13 @@ def _result(
         notes.append(f"only {in_flight} requests in flight at the fault (target >= 1000)")
     return ScenarioResult(
         name=name,
-        sent=load.n,
+        sent=sent,
         answered=answered,
-        lost=load.n - answered,
-        duplicates=load.duplicates(),
+        lost=sent - answered,
+        duplicates=sum(x.duplicates() for x in loads),
         recovery_s=None if recovery is None else round(recovery, 2),
-        errors=load.errors(),
-        redelivered_replies=load.client.redelivered_replies if load.client else 0,
+        errors=sum(x.errors() for x in loads),
+        redelivered_replies=sum(x.client.redelivered_replies for x in loads if x.client),
         in_flight_at_fault=in_flight,
         wall_s=round(time.monotonic() - started, 1),
         target_recovery_s=target,
@@ -229,10 +310,11 @@ async def _agent_fault(
         notes = await inject(fleet, victim)
         recovery = None
         if expect_lost:
-            recovery = await _wait_agent_lost(fleet, victim, timeout=60)
+            recovery = await _wait_agent_lost(fleet, victim, timeout=60, since=fault_at)
             if recovery is None:
                 notes.append("the agent was never declared lost within 60 s")
         await load.wait_all(s.reply_timeout_s)
+        notes += await _stall_notes(load, fleet.admin_url, fleet.token)
         target = AGENT_LOSS_TARGET_S if expect_lost else None
         return _result(name, load, in_flight, recovery, target, started, notes, fault_at)
 
@@ -401,8 +483,8 @@ async def broker_restart(s: ChaosSettings, amqp_url: str | None) -> ScenarioResu
             await asyncio.to_thread(node.up)
             notes = [f"broker down for {time.monotonic() - down_at:.1f} s (kill + restart)"]
             await load.wait_all(s.reply_timeout_s)
+            notes += await _stall_notes(load, fleet.admin_url, fleet.token)
             recovery = recovery_time(load.reply_times(), fault_at)
-            del fleet
             return _result(name, load, in_flight, recovery, None, started, notes)
     finally:
         with contextlib.suppress(Exception):
@@ -415,7 +497,9 @@ async def quorum_leader_kill(s: ChaosSettings, amqp_url: str | None) -> Scenario
     """A 3-node cluster; the node leading the global queue's quorum shards - the one the
     coordinator and an agent are connected to - is SIGKILLed mid-run. A new leader is elected
     among the other two; the coordinator and the agent move to another node (their URL lists
-    every node); the producer, on a third node, sees every request answered once."""
+    every node); the producer, on a third node, sees every request answered once. A second
+    producer on the third node, connected before the kill, publishes its first requests right
+    after it: they must be confirmed and answered once too."""
     assert amqp_url is None
     started = time.monotonic()
     name = "quorum-leader-kill"
@@ -439,6 +523,12 @@ async def quorum_leader_kill(s: ChaosSettings, amqp_url: str | None) -> Scenario
             ChaosLoad(
                 n3, f"{name}-{os.getpid()}", s.leader_kill_requests, max_tokens=s.max_tokens
             ) as load,
+            ChaosLoad(
+                n3,
+                f"{name}-late-{os.getpid()}",
+                s.leader_kill_late_requests,
+                max_tokens=s.max_tokens,
+            ) as late,
         ):
             await load.publish()
             in_flight = await _fault_point(load)
@@ -448,7 +538,24 @@ async def quorum_leader_kill(s: ChaosSettings, amqp_url: str | None) -> Scenario
             notes = [f"shard leaders before: {sorted(set(shard_leaders.values()))}"]
             fault_at = time.time()
             await asyncio.to_thread(victim.kill)
+            t_late = time.monotonic()
+            await late.publish()
+            notes.append(
+                f"{late.n - late.publish_failures} of {late.n} requests published after the "
+                f"kill confirmed in {time.monotonic() - t_late:.1f} s"
+            )
             await load.wait_all(s.reply_timeout_s)
+            await late.wait_all(max(1.0, s.reply_timeout_s - (time.time() - fault_at)))
+            stalled = await _stall_notes(load, fleet.admin_url, fleet.token)
+            stalled += await _stall_notes(late, fleet.admin_url, fleet.token)
+            if stalled:
+                with contextlib.suppress(httpx.HTTPError):
+                    counts = await cluster.queue_counts(cluster.nodes[2], vhost)
+                    stalled.append(
+                        "broker queues (ready, unacked): "
+                        + ", ".join(f"{q} {r}/{u}" for q, (r, u) in sorted(counts.items()))
+                    )
+            notes += stalled
             recovery = recovery_time(load.reply_times(), fault_at)
             after = await cluster.queue_leaders(cluster.nodes[2], vhost)
             notes.append(
@@ -456,7 +563,7 @@ async def quorum_leader_kill(s: ChaosSettings, amqp_url: str | None) -> Scenario
                 f"{sorted({n for q, n in after.items() if q.startswith('qlm.global')})}"
             )
             del fleet
-            return _result(name, load, in_flight, recovery, None, started, notes)
+            return _result(name, load, in_flight, recovery, None, started, notes, extra=[late])
     finally:
         await asyncio.to_thread(cluster.clean)
         for node in cluster.nodes:

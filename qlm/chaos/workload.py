@@ -34,6 +34,7 @@ class ChaosLoad:
     client: QlmClient | None = None
     futures: list[asyncio.Future[Reply]] = field(default_factory=list)
     published_at: float = 0.0
+    publish_failures: int = 0
 
     async def __aenter__(self) -> ChaosLoad:
         self.client = QlmClient(self.amqp_url, reply_queue=f"qlm.reply.chaos.{self.prefix}")
@@ -54,7 +55,9 @@ class ChaosLoad:
         )
 
     async def publish(self) -> None:
-        """Publish every request; each returns once the broker confirmed it."""
+        """Publish every request; each returns once the broker confirmed it. A request the
+        client gave up publishing (no confirm within its ``republish_within_s``) is counted in
+        ``publish_failures`` and never answered (so it counts as lost)."""
         assert self.client is not None
         client = self.client
         sem = asyncio.Semaphore(PUBLISH_CONCURRENCY)
@@ -63,7 +66,9 @@ class ChaosLoad:
             async with sem:
                 return await client.submit(self.request(i))
 
-        self.futures = list(await asyncio.gather(*(one(i) for i in range(self.n))))
+        done = await asyncio.gather(*(one(i) for i in range(self.n)), return_exceptions=True)
+        self.futures = [f for f in done if isinstance(f, asyncio.Future)]
+        self.publish_failures = self.n - len(self.futures)
         self.published_at = time.time()
 
     def answered(self) -> int:
