@@ -226,6 +226,7 @@ class QlmClient:
             message,
             request_id,
             within_s=self.republish_within_s,
+            renew_on_nack=True,  # a quorum shard's dead leader (docs/reliability.md)
         )
 
     async def publish_raw(
@@ -285,6 +286,9 @@ class QlmClient:
                 message,
                 routing_key,
                 within_s=self.republish_within_s,
+                # RabbitMQ 3.10 can nack a quorum shard on this channel for good after its
+                # leader died: reopen the channel (replies consumer restored) and publish again
+                renew_on_nack=True,
             )
         except BaseException:
             # Not confirmed: the caller decides whether to retry (a retry with the same id is
