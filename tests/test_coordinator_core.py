@@ -526,3 +526,18 @@ def test_a_cancel_that_comes_first_answers_its_request_on_arrival() -> None:
     req = make_request(request_id="early")
     got = core.admit(req, object(), reply_to="r", correlation_id="early", received_at=1.0)
     assert got == (None, "cancelled") and "early" not in core.requests
+
+
+def test_a_dispatch_this_side_failed_to_publish_goes_back_and_keeps_the_instance() -> None:
+    core = core_with({"a": 1})
+    t, order = _dispatched(core)
+    inst = core.instances[order.instance_id]
+    assert inst.credit == 0 and t.attempts == 1
+    assert core.undo_dispatch(t.request_id, order.dispatch_id, 1.0)
+    assert t.state == TrackState.QUEUED and inst.status == "alive"
+    assert inst.credit == 1 and t.attempts == 0 and t.request_id not in inst.running
+    [again] = core.next_dispatches(1.0)  # dispatched again, with the credit it got back
+    assert again.tracked is t and again.dispatch_id != order.dispatch_id
+    # a stale undo (the request moved on) changes nothing
+    assert not core.undo_dispatch(t.request_id, order.dispatch_id, 2.0)
+    assert t.state == TrackState.DISPATCHED

@@ -203,3 +203,47 @@ async def test_a_lone_coordinator_killed_mid_answer_loses_and_doubles_nothing(
         await store_a.engine.dispose()
         if store_b is not None:
             await store_b.close()
+
+
+@pytest.mark.broker
+async def test_a_dispatch_lost_on_this_side_is_retried_and_the_instance_kept(
+    isolated_amqp_url: str, tmp_path: Path
+) -> None:
+    """The coordinator's own publish of a dispatch fails (its channel broke, as after a
+    broker node dies): the agent is not to blame, so its instance stays alive and the
+    request is dispatched again."""
+    import aio_pika
+
+    store = await Store.open(f"sqlite+aiosqlite:///{tmp_path}/qlm.db")
+    coord = Coordinator(
+        amqp_url=isolated_amqp_url, policy=create_policy("edf"), store=store, shards=1
+    )
+    real = coord._to_agent
+    failed = 0
+
+    async def flaky(agent_id: str, body: str) -> None:
+        nonlocal failed
+        if '"request"' in body and failed < 3:  # the first three dispatches
+            failed += 1
+            raise aio_pika.exceptions.ChannelInvalidStateError("channel closed")
+        await real(agent_id, body)
+
+    coord._to_agent = flaky  # type: ignore[method-assign]
+    await coord.start()
+    engine = SimEngine("A100-80GB", ["mistral-7b"], time_scale=20.0, seed=3)
+    agent = Agent(isolated_amqp_url, [engine], agent_id="dl", heartbeat_interval_s=0.2)
+    await agent.start()
+    try:
+        async with QlmClient(isolated_amqp_url) as client:
+            futures = [await client.submit(_req(i)) for i in range(5)]
+            replies = await asyncio.wait_for(asyncio.gather(*futures), 60)
+            assert all(isinstance(r, ResultMessage) for r in replies)
+            assert client.duplicate_count() == 0
+        assert failed == 3
+        assert all(i.status == "alive" for i in coord.core.instances.values())
+        metrics = coord.metrics.render()[0].decode()
+        assert 'qlm_requeued_total{reason="dispatch_failed"} 3.0' in metrics
+    finally:
+        await agent.stop()
+        await coord.stop()
+        await store.close()

@@ -679,6 +679,28 @@ class CoordinatorCore:
                 )
         return orders
 
+    def undo_dispatch(self, request_id: str, dispatch_id: str, now: float) -> bool:
+        """A dispatch this coordinator failed to publish (its own channel or connection, not
+        the agent): the request goes back to a queue and the instance gets its credit back.
+        False when the request has moved on meanwhile (a result, a requeue). Credit is
+        reconciled from the agent's next heartbeat if the dispatch did arrive after all."""
+        tracked = self.requests.get(request_id)
+        if (
+            tracked is None
+            or tracked.state != TrackState.DISPATCHED
+            or tracked.dispatch_id != dispatch_id
+        ):
+            return False
+        inst = self.instances.get(tracked.instance_id or "")
+        if inst is not None:
+            inst.running.pop(request_id, None)
+            inst.credit += 1
+            inst.dispatches_sent -= 1
+        tracked.attempts -= 1
+        tracked.dispatched_at = None
+        self._place(tracked, now)
+        return True
+
     def accept_result(self, request_id: str, dispatch_id: str) -> TrackedRequest | None:
         """The gate for exactly-once replies. Returns the request if this result should be
         answered (and moves it to ANSWERING), None if it must be ignored."""

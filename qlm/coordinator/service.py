@@ -53,7 +53,6 @@ from qlm.coordinator.core import (
     LSOSettings,
     ModelStateOrder,
     TrackedRequest,
-    TrackState,
 )
 from qlm.coordinator.identity import ProducerIdentity
 from qlm.coordinator.validation import (
@@ -111,6 +110,7 @@ def _user_id(message: AbstractIncomingMessage) -> str | None:
 # How long a reply whose confirm was lost keeps being published again (after reconnects)
 # before the request goes back to a virtual queue to be run again.
 REPLY_REPUBLISH_S = 60.0
+DISPATCH_RETRY_S = 0.5  # pause before dispatching again after this side's publish failed
 ANSWER_PRUNE_INTERVAL_S = 600.0  # how often answers past their retention are deleted
 
 
@@ -554,11 +554,21 @@ class Coordinator:
         except aio_pika.exceptions.PublishError:
             self._lost_agent(order.agent_id, "dispatch_unroutable")
             return
-        except Exception:
-            log.exception("dispatch_failed", request_id=t.request_id, instance_id=order.instance_id)
-            if t.state == TrackState.DISPATCHED and t.dispatch_id == order.dispatch_id:
-                self.core.lose_instance(order.instance_id, "dispatch_failed", time.time())
-                self._pump()
+        except Exception as exc:
+            # This coordinator's own channel or connection failed (the agent being gone shows
+            # as a returned dispatch, above, or as missed heartbeats): the instance is fine.
+            # The request goes back to its queue, and dispatching resumes after a pause
+            # rather than spinning on a broken channel. If the agent got it after all, the
+            # first result is answered and the second ignored.
+            log.warning(
+                "dispatch_failed_requeued",
+                request_id=t.request_id,
+                instance_id=order.instance_id,
+                error=repr(exc)[:200],
+            )
+            if self.core.undo_dispatch(t.request_id, order.dispatch_id, time.time()):
+                self.metrics.observe_requeue("dispatch_failed")
+                self._spawn(self._pump_after(DISPATCH_RETRY_S))
             return
         self.store.record_status(
             t.request_id,
@@ -567,6 +577,10 @@ class Coordinator:
             instance_id=order.instance_id,
             attempts=t.attempts,
         )
+
+    async def _pump_after(self, delay_s: float) -> None:
+        await asyncio.sleep(delay_s)
+        self._pump()
 
     async def _to_agent(self, agent_id: str, body: str) -> None:
         assert self._pub is not None
