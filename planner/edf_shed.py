@@ -45,7 +45,7 @@ import numpy as np
 from scipy.stats import norm
 
 from qlm.estimator import OutputLengthModel, RCTEstimator, engine_profile
-from qlm.policy import Plan, PlanInstance, PlanRequest, QueuePolicy
+from qlm.policy import CompletionObservation, Plan, PlanInstance, PlanRequest, QueuePolicy
 
 NO_CAP = 1 << 20  # output-length cap when the request's max_tokens is not used
 DEFAULT_CTX = 1024  # context tokens assumed for the batch before any completion is seen
@@ -143,29 +143,21 @@ class EDFShedPolicy(QueuePolicy):
             return False
         return self._planned_at is None or now - self._planned_at >= self.config.replan_every_s
 
-    def observe_completion(
-        self,
-        model: str,
-        slo_class: str | None,
-        output_tokens: int,
-        *,
-        prompt_tokens: int | None = None,
-        max_tokens: int | None = None,
-        tenant: str | None = None,
-    ) -> None:
+    def observe_completion(self, obs: CompletionObservation) -> None:
+        model = obs.model
         self.lengths.observe(
             model,
-            slo_class,
-            output_tokens,
-            prompt_tokens=prompt_tokens,
-            max_tokens=max_tokens if self.config.use_max_tokens else None,
-            tenant=tenant,
+            obs.slo_class,
+            obs.output_tokens,
+            prompt_tokens=obs.prompt_tokens,
+            max_tokens=obs.max_tokens if self.config.use_max_tokens else None,
+            tenant=obs.tenant,
         )
         self._predicted.clear()
         self._rates_cache.clear()
         self._history[model] = self._history.get(model, 0) + 1
-        self._out_sum[model] = self._out_sum.get(model, 0.0) + max(output_tokens, 1)
-        self._prompt_sum[model] = self._prompt_sum.get(model, 0.0) + (prompt_tokens or 0)
+        self._out_sum[model] = self._out_sum.get(model, 0.0) + max(obs.output_tokens, 1)
+        self._prompt_sum[model] = self._prompt_sum.get(model, 0.0) + (obs.prompt_tokens or 0)
 
     def place(
         self,

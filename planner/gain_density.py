@@ -27,7 +27,14 @@ from collections.abc import Sequence
 from functools import lru_cache
 from typing import Any
 
-from qlm.policy import Plan, PlanInstance, PlanRequest, QueuePolicy, token_rate
+from qlm.policy import (
+    CompletionObservation,
+    Plan,
+    PlanInstance,
+    PlanRequest,
+    QueuePolicy,
+    token_rate,
+)
 from qlm.service_gain import W_IN, W_OUT, decay
 
 REFERENCE_GPU = "A100-80GB"  # for sort_key, which does not know the instance
@@ -67,18 +74,10 @@ class GainDensityPolicy(QueuePolicy):
         self._out_n: dict[tuple[str, str | None], int] = defaultdict(int)
 
     # ---------------------------------------------------------------- estimates
-    def observe_completion(
-        self,
-        model: str,
-        slo_class: str | None,
-        output_tokens: int,
-        *,
-        prompt_tokens: int | None = None,
-        max_tokens: int | None = None,
-        tenant: str | None = None,
-    ) -> None:
-        self._out_sum[(model, slo_class)] += output_tokens
-        self._out_n[(model, slo_class)] += 1
+    def observe_completion(self, obs: CompletionObservation) -> None:
+        key = (obs.model, obs.slo_class)
+        self._out_sum[key] += obs.output_tokens
+        self._out_n[key] += 1
 
     def expected_output(self, request: PlanRequest) -> float:
         key = (request.model, request.slo_class)

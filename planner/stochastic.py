@@ -49,7 +49,7 @@ from planner.milp import (
 )
 from qlm.estimator import HardwareProfile, OutputLengthModel, RCTEstimator
 from qlm.grouping import GroupIndex, GroupingConfig, build_groups, request_features
-from qlm.policy import Plan, PlanInstance, PlanRequest, QueuePolicy
+from qlm.policy import CompletionObservation, Plan, PlanInstance, PlanRequest, QueuePolicy
 from qlm.service_gain import W_IN, W_OUT
 
 log = structlog.get_logger(__name__)
@@ -172,24 +172,15 @@ class QLMPolicy(QueuePolicy):
         their planned position; an arrival sorts right after its group's last member."""
         return self._keys.get(request.request_id, (math.inf, request.seq))
 
-    def observe_completion(
-        self,
-        model: str,
-        slo_class: str | None,
-        output_tokens: int,
-        *,
-        prompt_tokens: int | None = None,
-        max_tokens: int | None = None,
-        tenant: str | None = None,
-    ) -> None:
+    def observe_completion(self, obs: CompletionObservation) -> None:
         lengths = self.estimator.lengths
         lengths.observe(
-            model,
-            slo_class,
-            output_tokens,
-            prompt_tokens=prompt_tokens,
-            max_tokens=max_tokens,
-            tenant=tenant,
+            obs.model,
+            obs.slo_class,
+            obs.output_tokens,
+            prompt_tokens=obs.prompt_tokens,
+            max_tokens=obs.max_tokens,
+            tenant=obs.tenant,
         )
         if self._forest_lengths:
             self._maybe_refresh_forest()

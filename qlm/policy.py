@@ -32,6 +32,22 @@ def token_rate(gpu_type: str, model: str) -> float:
         return 1.0
 
 
+@dataclass(frozen=True, slots=True)
+class CompletionObservation:
+    """What a policy learns when a request finishes (``QueuePolicy.observe_completion``).
+
+    One object rather than a list of arguments: a new field (a feature the length model could
+    use) reaches every policy by being added here, without editing five signatures and every
+    caller; a policy that does not need it ignores it."""
+
+    model: str
+    slo_class: str | None
+    output_tokens: int
+    prompt_tokens: int | None = None
+    max_tokens: int | None = None
+    tenant: str | None = None
+
+
 @dataclass(frozen=True)
 class PlanRequest:
     """What a policy may know about a queued request."""
@@ -162,17 +178,8 @@ class QueuePolicy(ABC):
         simulated completions. Empty for policies that make no estimate."""
         return {}
 
-    def observe_completion(
-        self,
-        model: str,
-        slo_class: str | None,
-        output_tokens: int,
-        *,
-        prompt_tokens: int | None = None,
-        max_tokens: int | None = None,
-        tenant: str | None = None,
-    ) -> None:
-        """A request finished with ``output_tokens`` tokens: policies that profile the workload
+    def observe_completion(self, obs: CompletionObservation) -> None:
+        """A request finished with ``obs.output_tokens`` tokens: policies that profile the workload
         learn from it (the stochastic planner's output-length model; with the per-request
         features, its length forest). Default: ignored."""
         return None

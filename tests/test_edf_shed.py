@@ -6,7 +6,7 @@ import pytest
 
 from planner import create_policy
 from planner.edf_shed import EDFShedConfig, EDFShedPolicy
-from qlm.policy import PlanInstance, PlanRequest
+from qlm.policy import CompletionObservation, PlanInstance, PlanRequest
 from tests.builders import make_instance, make_plan_request
 
 OUT = 200  # every observed completion: 200 output tokens (~2 s of decode on an A100)
@@ -15,7 +15,9 @@ OUT = 200  # every observed completion: 200 output tokens (~2 s of decode on an 
 def trained(**overrides: object) -> EDFShedPolicy:
     policy = EDFShedPolicy(**overrides)  # type: ignore[arg-type]
     for _ in range(policy.config.min_history):
-        policy.observe_completion("m", None, OUT, prompt_tokens=10, max_tokens=OUT)
+        policy.observe_completion(
+            CompletionObservation("m", None, OUT, prompt_tokens=10, max_tokens=OUT)
+        )
     return policy
 
 
@@ -135,7 +137,7 @@ def test_work_is_fixed_at_first_sight() -> None:
     r = make_plan_request("r", arrival=0, deadline=10)
     before = policy.work_tokens(r)
     for _ in range(200):
-        policy.observe_completion("m", None, 4000, prompt_tokens=10)
+        policy.observe_completion(CompletionObservation("m", None, 4000, prompt_tokens=10))
     assert policy.work_tokens(r) == before
     policy.plan([], [make_instance("i0")], now=0.0)
     policy.plan([], [make_instance("i0")], now=1.0)  # two plans without it: forgotten

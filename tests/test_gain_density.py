@@ -7,7 +7,7 @@ import pytest
 
 from planner import create_policy
 from planner.gain_density import GainDensityPolicy
-from qlm.policy import PlanInstance, PlanRequest
+from qlm.policy import CompletionObservation, PlanInstance, PlanRequest
 
 
 def req(
@@ -59,7 +59,7 @@ def test_learned_output_lengths_change_the_estimate() -> None:
     r = req("r", max_tokens=1000)
     assert p.expected_output(r) == 500  # nothing observed yet: half the budget
     for _ in range(10):
-        p.observe_completion("mistral-7b", None, 40)
+        p.observe_completion(CompletionObservation("mistral-7b", None, 40))
     assert p.expected_output(r) == 40
 
 

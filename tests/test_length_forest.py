@@ -22,6 +22,7 @@ from qlm.length_forest import (
     QuantileLengthPredictor,
     bucket_prompt,
 )
+from qlm.policy import CompletionObservation
 
 CAP = 4096
 SIGMA = 0.5  # log-space spread of the synthetic outputs
@@ -410,7 +411,9 @@ def test_the_planner_prices_each_request_with_the_forest_once_trained() -> None:
     for i in range(600):
         short = i % 2 == 0
         policy.observe_completion(
-            "m", None, 10 if short else 200, prompt_tokens=10 if short else 1000, max_tokens=512
+            CompletionObservation(
+                "m", None, 10 if short else 200, prompt_tokens=10 if short else 1000, max_tokens=512
+            )
         )
     assert isinstance(lengths, ForestLengthModel) and lengths.uses_forest("m")
     caps = np.array([512.0, 512.0])

@@ -23,6 +23,7 @@ What the suite holds every policy to:
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections import Counter
 
@@ -33,7 +34,7 @@ from hypothesis import strategies as st
 from planner import POLICIES, create_policy, simulation_policy
 from planner.stochastic import QLMPolicy
 from qlm.grouping import GroupingConfig
-from qlm.policy import Plan, PlanInstance, PlanRequest, QueuePolicy
+from qlm.policy import CompletionObservation, Plan, PlanInstance, PlanRequest, QueuePolicy
 from qlm.virtual_queue import VirtualQueue
 from tests.builders import make_instance, make_plan_request
 
@@ -303,6 +304,30 @@ def test_thousands_of_tiny_requests(policy: QueuePolicy) -> None:
     plan = policy.plan(reqs, insts, now=0.0)
     assert_valid_partition(plan, reqs, insts)
     assert Counter(len(q) > 0 for q in plan.queues.values())[True] >= 2
+
+
+# ------------------------------------------------------------------------ completion feedback
+def test_observing_completions_keeps_plans_valid(policy: QueuePolicy) -> None:
+    """Every policy takes the one ``CompletionObservation`` (all fields, or only the required
+    ones) and still plans a valid partition afterwards."""
+    for i in range(100):
+        policy.observe_completion(CompletionObservation("m", None, 1 + i % 50))
+        policy.observe_completion(
+            CompletionObservation(
+                "m", "interactive", 200, prompt_tokens=10 * i, max_tokens=512, tenant="t"
+            )
+        )
+    reqs = [make_plan_request(f"r{i}", arrival=0, deadline=5 + i, seq=i) for i in range(20)]
+    insts = [make_instance("i0"), make_instance("i1")]
+    assert_valid_partition(policy.plan(reqs, insts, now=0.0), reqs, insts)
+
+
+def test_completion_observation_is_frozen_and_slotted() -> None:
+    obs = CompletionObservation("m", None, 3)
+    assert (obs.prompt_tokens, obs.max_tokens, obs.tenant) == (None, None, None)
+    assert not hasattr(obs, "__dict__")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        obs.output_tokens = 4  # type: ignore[misc]
 
 
 # ---------------------------------------------------------------------------- baselines

@@ -64,7 +64,7 @@ from qlm.coordinator.validation import (
     reply_route,
 )
 from qlm.metrics import CoordinatorMetrics
-from qlm.policy import QueuePolicy
+from qlm.policy import CompletionObservation, QueuePolicy
 from qlm.store import AnswerLogUnavailable, RequestStatus, Store, StoredAnswer
 from qlm.topology import (
     CONTROL_EXCHANGE,
@@ -760,12 +760,14 @@ class Coordinator:
             self.metrics.observe_task(outcome.task_met)
         # the planner's output-length model learns from what requests really produced
         self.core.policy.observe_completion(
-            t.request.model,
-            t.request.slo.slo_class,
-            len(c.output_token_ids),
-            prompt_tokens=t.plan_view.prompt_tokens,
-            max_tokens=t.request.max_tokens,
-            tenant=t.request.tenant,
+            CompletionObservation(
+                model=t.request.model,
+                slo_class=t.request.slo.slo_class,
+                output_tokens=len(c.output_token_ids),
+                prompt_tokens=t.plan_view.prompt_tokens,
+                max_tokens=t.request.max_tokens,
+                tenant=t.request.tenant,
+            )
         )
         if t.dispatched_at is not None:
             self.metrics.observe_dispatch_latency(max(0.0, c.started_at - t.dispatched_at))

@@ -40,7 +40,7 @@ from qlm.chains import CallDeadlines, LateTaskRule, chain_deadlines
 from qlm.collective import CollectiveTracker, stage_call_deadlines
 from qlm.coordinator.outcome import slo_outcome, task_met
 from qlm.engine_model import EngineProfile, get_profile
-from qlm.policy import Plan, PlanRequest, QueuePolicy
+from qlm.policy import CompletionObservation, Plan, PlanRequest, QueuePolicy
 from qlm.service_gain import service_gain
 from qlm.simulator.instance import SimInstance, SimJob
 from qlm.simulator.workload import SimRequest
@@ -644,11 +644,13 @@ class ClusterSimulator:
             self._finished_log.append(job)
         self.last_finish = max(self.last_finish, now)
         self.policy.observe_completion(
-            job.req.model,
-            job.req.slo_class,
-            job.generated,
-            prompt_tokens=job.req.prompt_tokens,
-            max_tokens=job.req.max_tokens,
+            CompletionObservation(
+                model=job.req.model,
+                slo_class=job.req.slo_class,
+                output_tokens=job.generated,
+                prompt_tokens=job.req.prompt_tokens,
+                max_tokens=job.req.max_tokens,
+            )
         )
         req = job.req
         if req.stage is not None:
