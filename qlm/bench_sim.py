@@ -33,7 +33,10 @@ def resolve(scenario: str | None, file: Path | None) -> tuple[ScenarioSpec, Pres
 
 
 def dump(spec: ScenarioSpec) -> str:
-    return yaml.safe_dump(spec.model_dump(mode="json", exclude_none=True), sort_keys=False)
+    # unicode kept: the shipped scenario files are this output, and "δ" reads better than "\u03B4"
+    return yaml.safe_dump(
+        spec.model_dump(mode="json", exclude_none=True), sort_keys=False, allow_unicode=True
+    )
 
 
 def run_sim_bench(
