@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import time
 import uuid
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,7 +22,7 @@ from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractRobus
 from pydantic import ValidationError
 
 from agents.engine import EngineBackend, EngineOutput, EngineRequest
-from qlm.admission import SLOAdmissionGate, required_speed
+from qlm.admission import PullAdmission, SLOAdmissionGate, required_speed
 from qlm.amqp import connect
 from qlm.control import (
     Completion,
@@ -49,28 +48,16 @@ from qlm.types import CONTENT_TYPE
 
 log = structlog.get_logger(__name__)
 
-GATE_WINDOW = 8  # SABER looks this far into the dispatched requests it holds back
-BEST_EFFORT_HELD_MAX = 32  # demoted requests the agent holds before it stops pulling
-
 
 @dataclass
 class HostedInstance:
     info: InstanceInfo
     engine: EngineBackend
-    owed: int = 0  # credit granted to the coordinator and not yet used by a dispatch
-    received: int = 0  # dispatches received, ever (heartbeats report it)
+    # credit, dispatches received and the SLO gate's held requests: the pull rules the
+    # simulator's agents share (qlm/admission.py)
+    admission: PullAdmission[EngineRequest]
     dispatches: dict[str, Dispatch] = field(default_factory=dict)  # request_id -> dispatch
-    # With the SLO admission gate: dispatched requests held back until the gate admits them
-    # (in dispatch order = the virtual queue's), those that can no longer meet their deadline
-    # (best effort, served only when no other waits), and the frozen required speed of each
-    # request in the engine.
-    held: deque[EngineRequest] = field(default_factory=deque)
-    best_effort: deque[EngineRequest] = field(default_factory=deque)
-    frozen_speed: dict[str, float] = field(default_factory=dict)
     model_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-
-    def held_ids(self) -> list[str]:
-        return [r.request_id for r in self.held] + [r.request_id for r in self.best_effort]
 
 
 class Agent:
@@ -108,7 +95,8 @@ class Agent:
                 max_batch_size=engine.max_batch_size,
                 cpu_memory_gb=cpu_memory_gb,
             )
-            self.instances[iid] = HostedInstance(info=info, engine=engine)
+            admission = PullAdmission(admission_gate, need=_need, key=_request_id)
+            self.instances[iid] = HostedInstance(info=info, engine=engine, admission=admission)
         self.log = log.bind(agent_id=self.agent_id)
         self._conn: AbstractRobustConnection | None = None
         self._pub: AbstractChannel | None = None
@@ -285,8 +273,6 @@ class Agent:
                 task.add_done_callback(self._side_tasks.discard)
 
     def _start_dispatch(self, inst: HostedInstance, d: Dispatch) -> None:
-        inst.owed = max(0, inst.owed - 1)
-        inst.received += 1
         req = d.request
         inst.dispatches[req.request_id] = d
         prompt_ids = req.prompt_token_ids
@@ -304,56 +290,14 @@ class Agent:
             resume_token_ids=list(d.resume_token_ids),
             deadline=d.deadline,
         )
-        if self.admission_gate is None:
-            inst.engine.submit(request)
-        else:
-            inst.held.append(request)
-            self._admit(inst)
+        inst.admission.on_dispatch(request, inst.engine.submit)
+        self._admit(inst)
         self._wake.set()
 
     def _admit(self, inst: HostedInstance) -> None:
-        """SABER's admission (shared/reference/saber-cato-digest.md, A2): hand a held request
-        to the engine only if the predicted per-request speed with one more running still
-        meets its required speed and every running request's frozen one. Requests that cannot
-        make their deadline even alone are moved to the best-effort tier, served only when no
-        other request is held, and only while they slow no running request below its need."""
-        gate = self.admission_gate
-        assert gate is not None
-        now = time.time()
-        for r in list(inst.held):
-            if gate.best_effort(_need(r, now)):
-                inst.held.remove(r)
-                inst.best_effort.append(r)
-        floor = max(inst.frozen_speed.values(), default=0.0)
-        while inst.engine.wants() > 0:
-            running = len(inst.frozen_speed)
-            chosen: EngineRequest | None = None
-            for r in list(inst.held)[:GATE_WINDOW]:
-                if gate.admits(running, _need(r, now), floor):
-                    chosen = r
-                    inst.held.remove(r)
-                    break
-            if (
-                chosen is None
-                and not inst.held
-                and inst.best_effort
-                and gate.speed(running + 1) >= floor
-            ):
-                chosen = inst.best_effort.popleft()
-            if chosen is None:
-                return
-            need = _need(chosen, now)
-            inst.frozen_speed[chosen.request_id] = 0.0 if gate.best_effort(need) else need
-            floor = max(floor, inst.frozen_speed[chosen.request_id])
-            inst.engine.submit(chosen)
-
-    def _take_held(self, inst: HostedInstance, request_id: str) -> EngineRequest | None:
-        for tier in (inst.held, inst.best_effort):
-            for r in tier:
-                if r.request_id == request_id:
-                    tier.remove(r)
-                    return r
-        return None
+        """The SLO gate hands held requests to the engine (qlm/admission.py; nothing to do
+        without a gate)."""
+        inst.admission.admit(inst.engine.wants, inst.engine.submit, time.time())
 
     async def _evict(self, inst: HostedInstance, order: Evict) -> None:
         """Stop the attempt and hand its output so far back for an exact resume elsewhere or
@@ -361,7 +305,7 @@ class Agent:
         d = inst.dispatches.get(order.request_id)
         if d is None or d.dispatch_id != order.dispatch_id:
             return
-        held = self._take_held(inst, order.request_id)
+        held = inst.admission.take_held(order.request_id)
         if held is not None:
             ids = list(held.resume_token_ids)
         else:
@@ -369,7 +313,7 @@ class Agent:
             ids = ids or list(d.resume_token_ids)
         if inst.dispatches.pop(order.request_id, None) is None:
             return  # the completion won the race while the engine aborted
-        inst.frozen_speed.pop(order.request_id, None)
+        inst.admission.forget(order.request_id)
         self.evicted += 1
         self.log.info(
             "request_evicted",
@@ -406,9 +350,8 @@ class Agent:
     def _make_output_handler(self, inst: HostedInstance) -> Any:
         async def on_output(out: EngineOutput) -> None:
             d = inst.dispatches.pop(out.request_id, None)
-            inst.frozen_speed.pop(out.request_id, None)
-            if self.admission_gate is not None:
-                self._admit(inst)
+            inst.admission.forget(out.request_id)
+            self._admit(inst)
             self._wake.set()
             if d is None:
                 self.log.warning("output_without_dispatch", request_id=out.request_id)
@@ -474,16 +417,10 @@ class Agent:
                 await asyncio.wait_for(self._wake.wait(), self.pull_interval_s)
             self._wake.clear()
             for inst in self.instances.values():
-                want = inst.engine.wants() - inst.owed
-                if self.admission_gate is not None:
-                    self._admit(inst)
-                    # keep a window of held requests for the gate to choose from, no more;
-                    # demoted ones wait in their own tier, bounded so they cannot pile up
-                    want = min(want, GATE_WINDOW - len(inst.held))
-                    if len(inst.best_effort) >= BEST_EFFORT_HELD_MAX:
-                        want = 0
+                self._admit(inst)
+                want = inst.admission.credit_wanted(inst.engine.wants())
                 if want > 0:
-                    inst.owed += want
+                    inst.admission.granted(want)
                     try:
                         await self._publish(
                             Pull(
@@ -494,7 +431,7 @@ class Agent:
                             live=True,
                         )
                     except Exception as exc:
-                        inst.owed -= want
+                        inst.admission.grant_failed(want)
                         self.log.warning("pull_failed", error=repr(exc))
 
     async def _heartbeat_loop(self) -> None:
@@ -517,9 +454,9 @@ class Agent:
                     waiting=s.waiting,
                     kv_used_tokens=s.kv_used_tokens,
                     tokens_per_s=s.tokens_per_s,
-                    in_flight=s.in_flight + inst.held_ids(),
-                    credit_outstanding=inst.owed,
-                    dispatches_received=inst.received,
+                    in_flight=s.in_flight + inst.admission.held_ids(),
+                    credit_outstanding=inst.admission.owed,
+                    dispatches_received=inst.admission.received,
                     warm_models=s.warm_models,
                 )
             )
@@ -531,3 +468,7 @@ def _need(request: EngineRequest, now: float) -> float:
     """SABER's reqSpd: tokens still to generate over the time left to the deadline."""
     remaining = request.max_tokens - len(request.resume_token_ids)
     return required_speed(remaining, request.deadline, now)
+
+
+def _request_id(request: EngineRequest) -> str:
+    return request.request_id

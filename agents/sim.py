@@ -272,20 +272,12 @@ class SimEngine(EngineBackend):
         """Warm models keep a host copy (the next switch to them is a warm start, once the
         copy has been read from disk), cold ones lose it (the next load is from disk). The
         active model is loaded ahead of its requests when the engine is idle."""
-        active = self._engine.active_model
-        warm = dict.fromkeys(self._residency.warm)
-        for model, state in states.items():
-            if model not in self._profiles:
-                continue
-            if state == "cold" and model != active:
-                warm.pop(model, None)
-            elif state == "warm":
-                warm[model] = None
-            elif state == "active" and model != active:
-                warm[model] = None
-                self._preload = model
-                self._wakeup.set()
-        self._residency.set_warm(warm, self._engine_now())
+        preload = self._residency.apply_states(
+            states, self._engine.active_model, self._engine_now()
+        )
+        if preload is not None:
+            self._preload = preload
+            self._wakeup.set()
 
     def wants(self) -> int:
         if self._loop_task is None:

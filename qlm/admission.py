@@ -20,10 +20,18 @@ queue (the simulator's ``pull_gate="saber"``).
 
 from __future__ import annotations
 
+import heapq
 import math
+import random
+from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+GATE_WINDOW = 8  # how far into the dispatched requests it holds back the gate looks
+BEST_EFFORT_HELD_MAX = 32  # demoted requests an agent holds before it stops pulling
+
+R = TypeVar("R")
 
 
 def required_speed(remaining_tokens: int, deadline: float | None, now: float) -> float:
@@ -130,3 +138,136 @@ def fit_usl(points: Sequence[tuple[int, float]]) -> USLSpeedModel:
     total = float(((v - v.mean()) ** 2).sum())
     r2 = 1.0 - residual / total if total > 0 else 1.0
     return USLSpeedModel(float(params[0]), float(params[1]), float(params[2]), r2)
+
+
+@dataclass(eq=False)
+class PullAdmission(Generic[R]):
+    """One engine's side of the pull protocol, as its agent runs it: the credit granted to the
+    coordinator and not yet used (``owed``), the dispatches received, and - with an SLO gate -
+    the dispatched requests held back until the gate admits them (in dispatch order, which is
+    the virtual queue's), those that can no longer meet their deadline (best effort, served
+    only when nothing else is held) and the frozen required speed of each request in the
+    engine. The live agent (:mod:`agents.agent`) and the simulator's agents both keep one per
+    engine, so the pull and admission rules exist once.
+
+    ``need(r, now)`` is r's required speed (:func:`required_speed` of what it has left);
+    ``key(r)`` its request id. ``strict`` with an ``rng`` is SABER's Algorithm 1 as the paper
+    states it: a random pick inside the window, :meth:`SLOAdmissionGate.admits_in_time`, and
+    best-effort requests handed over unchecked when nothing else is held."""
+
+    gate: SLOAdmissionGate | None
+    need: Callable[[R, float], float]
+    key: Callable[[R], str]
+    window: int = GATE_WINDOW
+    strict: bool = False
+    rng: random.Random | None = None
+    owed: int = 0  # credit granted to the coordinator and not yet used by a dispatch
+    received: int = 0  # dispatches received, ever (heartbeats report it)
+    demoted: int = 0  # held requests moved to the best-effort tier, ever
+    held: deque[R] = field(default_factory=deque)
+    best_effort: deque[R] = field(default_factory=deque)
+    frozen: dict[str, float] = field(default_factory=dict)
+    # max-heap of (-frozen speed, request id); entries no longer in ``frozen`` are skipped
+    _floor: list[tuple[float, str]] = field(default_factory=list)
+
+    def credit_wanted(self, engine_wants: int) -> int:
+        """Credit to grant now, given how many requests the engine wants: what it wants less
+        what is owed; with a gate, only enough to keep ``window`` requests held for it to
+        choose from, and none while demoted requests pile up."""
+        want = engine_wants - self.owed
+        if self.gate is not None:
+            want = min(want, self.window - len(self.held))
+            if len(self.best_effort) >= BEST_EFFORT_HELD_MAX:
+                want = 0
+        return max(0, want)
+
+    def granted(self, credit: int) -> None:
+        self.owed += credit
+
+    def grant_failed(self, credit: int) -> None:
+        self.owed -= credit
+
+    def on_dispatch(self, request: R, submit: Callable[[R], None]) -> None:
+        """A dispatch arrived: it uses one credit, and goes to the engine at once (no gate)
+        or is held for the gate (the caller runs :meth:`admit` next)."""
+        self.owed = max(0, self.owed - 1)
+        self.received += 1
+        if self.gate is None:
+            submit(request)
+        else:
+            self.held.append(request)
+
+    def floor(self) -> float:
+        """The highest frozen required speed of the requests in the engine."""
+        heap, frozen = self._floor, self.frozen
+        while heap:
+            speed, rid = heap[0]
+            if frozen.get(rid) == -speed:
+                return -speed
+            heapq.heappop(heap)
+        return 0.0
+
+    def _freeze(self, rid: str, speed: float) -> None:
+        self.frozen[rid] = speed
+        if speed > 0:
+            heapq.heappush(self._floor, (-speed, rid))
+
+    def admit(self, wants: Callable[[], int], submit: Callable[[R], None], now: float) -> None:
+        """SABER's admission (shared/reference/saber-cato-digest.md, A2): while the engine
+        wants work, hand it a held request only if the predicted per-request speed with one
+        more running still meets that request's required speed and every running request's
+        frozen one. Requests that cannot make their deadline even alone move to the best-effort
+        tier, served only when no other request is held (and, unless ``strict``, only while
+        they slow no running request below its need)."""
+        gate = self.gate
+        if gate is None:
+            return
+        need = self.need
+        for r in [r for r in self.held if gate.best_effort(need(r, now))]:
+            self.held.remove(r)
+            self.best_effort.append(r)
+            self.demoted += 1
+        floor = self.floor()
+        while wants() > 0:
+            running = len(self.frozen)
+            chosen = self._choose(gate, running, floor, now)
+            if (
+                chosen is None
+                and not self.held
+                and self.best_effort
+                and (self.strict or gate.speed(running + 1) >= floor)
+            ):
+                chosen = self.best_effort.popleft()
+            if chosen is None:
+                return
+            speed = need(chosen, now)
+            self._freeze(self.key(chosen), 0.0 if gate.best_effort(speed) else speed)
+            floor = max(floor, self.frozen[self.key(chosen)])
+            submit(chosen)
+
+    def _choose(self, gate: SLOAdmissionGate, running: int, floor: float, now: float) -> R | None:
+        window = list(self.held)[: self.window]
+        if self.rng is not None:
+            self.rng.shuffle(window)
+        check = gate.admits_in_time if self.strict else gate.admits
+        for r in window:
+            if check(running, self.need(r, now), floor):
+                self.held.remove(r)
+                return r
+        return None
+
+    def forget(self, request_id: str) -> None:
+        """The request left the engine (finished, evicted): its speed no longer binds."""
+        self.frozen.pop(request_id, None)
+
+    def take_held(self, request_id: str) -> R | None:
+        """Take a request the engine has not seen yet out of the held tiers (an eviction)."""
+        for tier in (self.held, self.best_effort):
+            for r in tier:
+                if self.key(r) == request_id:
+                    tier.remove(r)
+                    return r
+        return None
+
+    def held_ids(self) -> list[str]:
+        return [self.key(r) for r in self.held] + [self.key(r) for r in self.best_effort]

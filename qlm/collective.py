@@ -221,7 +221,7 @@ class CollectiveTracker:
         ``info.program_started_at`` on it too when given)."""
         prog = self.programs.get(info.program_id)
         if prog is None:
-            started = info.program_started_at or submitted
+            started = info.program_started_at if info.program_started_at is not None else submitted
             slo_s = info.program_slo_ms / 1000 if info.program_slo_ms else (e2e_s or 0.0)
             deadline = started + slo_s if slo_s > 0 else math.inf
             prog = _Program(info.program_id, info.app_type, started, deadline)

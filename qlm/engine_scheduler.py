@@ -491,6 +491,26 @@ class ModelResidency:
             keep[m] = self.warm.get(m, now + profile.load_time_from_disk())
         self.warm = keep
 
+    def apply_states(self, states: Mapping[str, str], active: str | None, now: float) -> str | None:
+        """A coordinator's model plan (model -> "active" | "warm" | "cold"): warm models keep
+        a host copy (the next switch to them is a warm start, once the copy is read from
+        disk), cold ones lose it; the planned active model stays warm too. Returns the model
+        to load ahead of its requests (the planned active one, if not resident), else None."""
+        warm = dict.fromkeys(self.warm)
+        preload = None
+        for model, state in states.items():
+            if model not in self.profiles:
+                continue
+            if state == "cold" and model != active:
+                warm.pop(model, None)
+            elif state == "warm":
+                warm[model] = None
+            elif state == "active" and model != active:
+                warm[model] = None
+                preload = model
+        self.set_warm(warm, now)
+        return preload
+
     def load(self, model: str, outgoing: str | None, now: float) -> tuple[float, str]:
         """Switch to ``model`` at ``now``: (seconds, "cpu" | "disk")."""
         profile = self.profiles[model]

@@ -141,29 +141,30 @@ async def test_saber_gate_holds_back_demotes_and_frees_on_completion() -> None:
         now = time.time()
         agent._start_dispatch(inst, _dispatch("a", 300, now + 10))  # needs 30 tok/s
         await asyncio.sleep(0.05)  # the engine admits it (wants() is 0 while it waits there)
-        assert inst.frozen_speed == {"a": pytest.approx(30.0, rel=0.01)}
+        assert inst.admission.frozen == {"a": pytest.approx(30.0, rel=0.01)}
         agent._start_dispatch(inst, _dispatch("b", 700, now + 10))  # needs 70: f(2)=50 < 70
-        assert [r.request_id for r in inst.held] == ["b"]
+        assert [r.request_id for r in inst.admission.held] == ["b"]
         agent._start_dispatch(inst, _dispatch("c", 100, now + 10))  # 10 tok/s: f(2)=50 ok
         await asyncio.sleep(0.05)
-        assert set(inst.frozen_speed) == {"a", "c"} and [r.request_id for r in inst.held] == ["b"]
+        assert set(inst.admission.frozen) == {"a", "c"}
+        assert [r.request_id for r in inst.admission.held] == ["b"]
         agent._start_dispatch(inst, _dispatch("late", 100, now - 1))  # deadline passed
-        assert [r.request_id for r in inst.best_effort] == ["late"]
+        assert [r.request_id for r in inst.admission.best_effort] == ["late"]
         # best effort waits while any request is held
-        assert "late" not in inst.frozen_speed
+        assert "late" not in inst.admission.frozen
         # "a" and "c" leave the engine: "b" is admitted (alone it gets 100 >= 70 tok/s) ...
         for rid in ("a", "c"):
             await engine.abort(rid)
-            inst.frozen_speed.pop(rid)
+            inst.admission.forget(rid)
         agent._admit(inst)
         await asyncio.sleep(0.05)
-        assert "b" in inst.frozen_speed and not inst.held
+        assert "b" in inst.admission.frozen and not inst.admission.held
         # ... but "late" would slow "b" to 50 < 70 tok/s: best effort never intrudes
-        assert [r.request_id for r in inst.best_effort] == ["late"]
+        assert [r.request_id for r in inst.admission.best_effort] == ["late"]
         await engine.abort("b")
-        inst.frozen_speed.pop("b")
+        inst.admission.forget("b")
         agent._admit(inst)
-        assert inst.frozen_speed == {"late": 0.0} and not inst.best_effort
+        assert inst.admission.frozen == {"late": 0.0} and not inst.admission.best_effort
         assert engine.stats().in_flight == ["late"]
     finally:
         await engine.stop()

@@ -79,11 +79,9 @@ def test_demoted_requests_run_only_once_the_high_priority_queue_is_empty() -> No
     assert sim.demoted == 1 and result.demoted == 1
     assert all(j.finished_s is not None for j in jobs.values())
     fast, held, hopeless = jobs["fast"], jobs["held"], jobs["hopeless"]
-    assert fast.req_speed == pytest.approx(90.0)
     assert held.started_s is not None and fast.finished_s is not None
     assert held.started_s >= fast.finished_s  # denied while "fast" ran (the floor)
     assert hopeless.started_s is not None and hopeless.started_s >= held.started_s
-    assert hopeless.req_speed == 0.0  # best effort: no frozen speed of its own
 
 
 def test_a_demoted_request_is_served_at_once_when_nothing_else_waits() -> None:

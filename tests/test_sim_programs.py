@@ -143,7 +143,7 @@ def test_a_stage_starts_when_the_whole_stage_before_it_finished_and_shares_its_d
         assert by_id[f"p.1.{i}"].arrival_s == pytest.approx(last_of_first)
     assert len({sim._judged[f"p.1.{i}"] for i in range(3)}) == 1  # one shared deadline
     assert result.tasks == [("agent", True)]
-    assert sim.collective.finished_programs == 1
+    assert sim.core.collective.finished_programs == 1
 
 
 def test_a_later_program_gets_its_stage_deadlines_from_the_finished_ones():
@@ -152,7 +152,7 @@ def test_a_later_program_gets_its_stage_deadlines_from_the_finished_ones():
     for r in later:
         r.arrival_s = 100.0
     sim, result = simulate(first + later)
-    assert sim.collective.matched_stages >= 1
+    assert sim.core.collective.matched_stages >= 1
     # b's first stage gets a share of the program's 60 s, not all of it
     start = {o.request_id: o for o in result.outcomes}["b.0.0"].arrival_s
     assert sim._judged["b.0.0"] < start + 60.0

@@ -33,7 +33,7 @@ from qlm.chains import CallDeadlines, LateTaskRule, call_deadlines, is_last_step
 from qlm.collective import CollectiveTracker, stage_call_deadlines
 from qlm.control import Completion, Evicted, Heartbeat, InstanceInfo, InstanceStatus
 from qlm.coordinator.outcome import first_token_time, slo_outcome
-from qlm.policy import Plan, PlanInstance, PlanRequest, QueuePolicy
+from qlm.policy import CompletionObservation, Plan, PlanInstance, PlanRequest, QueuePolicy
 from qlm.types import RequestMessage, SLOOutcome
 from qlm.virtual_queue import VirtualQueue
 
@@ -44,6 +44,11 @@ MAX_EXTRA_REPLY_TARGETS = 4
 
 # dispatch id of work adopted from a previous coordinator (its real id is unknown here)
 ADOPTED_DISPATCH = "adopted"
+
+# automatic replans only while the virtual queues hold at least this many requests per live
+# instance: with (nearly) empty queues there is no order to improve, the engines take requests
+# as they come
+MIN_QUEUED_PER_INSTANCE = 2
 
 
 class TrackState(StrEnum):
@@ -329,7 +334,7 @@ class CoordinatorCore:
             self.last_shed = shed
             return None, "overloaded"
         self._seq += 1
-        submitted = request.submitted_at or received_at
+        submitted = request.submitted_at if request.submitted_at is not None else received_at
         slo = request.slo
         # a step of a task chain gets its deadline from the task's (qlm/chains.py)
         due = call_deadlines(request, submitted, self.late_task_rule)
@@ -654,10 +659,16 @@ class CoordinatorCore:
         inst.credit += credit
         return True
 
-    def next_dispatches(self, now: float) -> list[DispatchOrder]:
-        """Hand queued requests to every instance that has credit, in virtual-queue order."""
+    def next_dispatches(self, now: float, instance_id: str | None = None) -> list[DispatchOrder]:
+        """Hand queued requests to every instance that has credit (or to ``instance_id``
+        only), in virtual-queue order."""
         orders: list[DispatchOrder] = []
-        for inst in self.instances.values():
+        if instance_id is None:
+            instances: Iterable[InstanceState] = self.instances.values()
+        else:
+            one = self.instances.get(instance_id)
+            instances = () if one is None else (one,)
+        for inst in instances:
             if inst.status != "alive":
                 continue
             while inst.credit > 0 and len(inst.queue):
@@ -744,7 +755,9 @@ class CoordinatorCore:
             and task.task_slo_ms is not None
             and is_last_step(request)
         ):
-            task_started_at = task.task_started_at or tracked.submitted_at
+            task_started_at = (
+                task.task_started_at if task.task_started_at is not None else tracked.submitted_at
+            )
             task_slo_s = task.task_slo_ms / 1000
         outcome = slo_outcome(
             tracked.submitted_at,
@@ -762,6 +775,28 @@ class CoordinatorCore:
         if program_met is not None:  # this call ended its collective program
             outcome = outcome.model_copy(update={"task_met": program_met})
         return first_token_at, outcome
+
+    def complete(self, c: Completion) -> tuple[TrackedRequest, float | None, SLOOutcome] | None:
+        """A finished attempt's result: accepted (exactly once), judged, and learned from
+        (the policy's output-length model observes what the request really produced). Returns
+        (request, first-token time, outcome), or None for a result that must be ignored. The
+        live service and the simulator both end a request here."""
+        tracked = self.accept_completion(c)
+        if tracked is None:
+            return None
+        first_token_at, outcome = self.judge_completion(tracked, c)
+        request = tracked.request
+        self.policy.observe_completion(
+            CompletionObservation(
+                model=request.model,
+                slo_class=request.slo.slo_class,
+                output_tokens=len(c.output_token_ids),
+                prompt_tokens=tracked.plan_view.prompt_tokens,
+                max_tokens=request.max_tokens,
+                tenant=request.tenant,
+            )
+        )
+        return tracked, first_token_at, outcome
 
     def _forget_running(self, tracked: TrackedRequest) -> None:
         for inst in self.instances.values():
@@ -935,29 +970,64 @@ class CoordinatorCore:
         log.info("instance_draining", instance_id=instance_id, moved=len(moved))
         return len(moved)
 
+    def replan_wanted(self, now: float) -> bool:
+        """Whether an automatic replan is worth running now: the policy asks for one and the
+        virtual queues hold work (:data:`MIN_QUEUED_PER_INSTANCE` per live instance). How
+        often replans may run is the caller's (wall-clock or simulated) budget."""
+        live = sum(1 for i in self.instances.values() if i.status == "alive")
+        queued = sum(len(i.queue) for i in self.instances.values()) + len(self.unassigned)
+        if queued < MIN_QUEUED_PER_INSTANCE * max(live, 1):
+            return False
+        return self.policy.wants_replan(now)
+
     def replan(self, now: float) -> Plan:
         """Full replan of every queued request with the policy; virtual queues adopt it."""
+        plan = self.make_plan(now)
+        self.adopt_plan(plan, now)
+        return plan
+
+    def make_plan(self, now: float) -> Plan:
+        """The policy's plan for every queued request, not yet adopted (a caller that charges
+        the planner's time adopts it later with :meth:`adopt_plan`)."""
         queued = [t for t in self.requests.values() if t.state == TrackState.QUEUED]
         live = self._live()
-        plan = self.policy.plan([t.plan_view for t in queued], [i.plan_view() for i in live], now)
-        for inst in live:
-            inst.queue.clear()
+        return self.policy.plan([t.plan_view for t in queued], [i.plan_view() for i in live], now)
+
+    def adopt_plan(self, plan: Plan, now: float) -> None:
+        """The virtual queues take the plan's order. Requests that left the queues while it
+        was computed (dispatched, answered) are skipped; those that arrived meanwhile, and
+        those on an instance that is no longer live, are placed again."""
+        waiting: dict[str, TrackedRequest] = {}
+        for inst in self.instances.values():
+            for rid in inst.queue.clear():
+                waiting[rid] = self.requests[rid]
             inst.queued_tokens = 0.0
+        for rid in self.unassigned:
+            tracked = self.requests.get(rid)
+            if tracked is not None and tracked.state == TrackState.QUEUED:
+                waiting[rid] = tracked
         self.unassigned = []
         for iid, ids in plan.queues.items():
-            inst = self.instances[iid]
+            target = self.instances.get(iid)
+            if target is None or target.status != "alive":
+                continue
             entries = []
             for rid in ids:
-                tracked = self.requests[rid]
+                tracked = waiting.pop(rid, None)
+                if tracked is None:
+                    continue
                 tracked.instance_id = iid
                 entries.append((rid, self.policy.sort_key(tracked.plan_view)))
-                inst.queued_tokens += self.policy.work_tokens(tracked.plan_view)
-            inst.queue.replace(entries)
+                target.queued_tokens += self.policy.work_tokens(tracked.plan_view)
+            target.queue.replace(entries)
         for rid in plan.unassigned:
-            self.requests[rid].instance_id = None
-            self.unassigned.append(rid)
+            tracked = waiting.pop(rid, None)
+            if tracked is not None:
+                tracked.instance_id = None
+                self.unassigned.append(rid)
+        for tracked in sorted(waiting.values(), key=lambda t: t.seq):
+            self._place(tracked, now)
         self.last_plan = plan
-        return plan
 
     # ---------------------------------------------------------------- views
     def state_counts(self) -> dict[str, int]:

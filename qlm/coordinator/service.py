@@ -64,7 +64,7 @@ from qlm.coordinator.validation import (
     reply_route,
 )
 from qlm.metrics import CoordinatorMetrics
-from qlm.policy import CompletionObservation, QueuePolicy
+from qlm.policy import QueuePolicy
 from qlm.store import AnswerLogUnavailable, RequestStatus, Store, StoredAnswer
 from qlm.topology import (
     CONTROL_EXCHANGE,
@@ -437,7 +437,7 @@ class Coordinator:
             )
             self.metrics.observe_ingest_latency(time.time() - now)
             self.capacity.on_arrival(req.model, tracked.plan_view.prompt_tokens, now)
-            if self.core.policy.wants_replan(now):
+            if self.core.replan_wanted(now):
                 self._schedule_replan()
         self._pump()
 
@@ -714,13 +714,13 @@ class Coordinator:
             self._orphans[rid] = (c, ctl_msg, time.monotonic())
             log.info("result_held_for_request", request_id=rid, instance_id=c.instance_id)
             return
-        t = self.core.accept_completion(c)
-        if t is None:
+        # accepted exactly once, judged and learned from in the core, as in the simulator
+        done = self.core.complete(c)
+        if done is None:
             log.info("duplicate_result_ignored", request_id=c.request_id, instance_id=c.instance_id)
             await ctl_msg.ack()
             return
-        # the one judgement, shared with the simulator (qlm/coordinator/outcome.py)
-        first_token_at, outcome = self.core.judge_completion(t, c)
+        t, first_token_at, outcome = done
         result = ResultMessage(
             request_id=t.request_id,
             model=t.request.model,
@@ -758,17 +758,6 @@ class Coordinator:
         self.capacity.on_finished(t.request.model, outcome.met)
         if outcome.task_met is not None:
             self.metrics.observe_task(outcome.task_met)
-        # the planner's output-length model learns from what requests really produced
-        self.core.policy.observe_completion(
-            CompletionObservation(
-                model=t.request.model,
-                slo_class=t.request.slo.slo_class,
-                output_tokens=len(c.output_token_ids),
-                prompt_tokens=t.plan_view.prompt_tokens,
-                max_tokens=t.request.max_tokens,
-                tenant=t.request.tenant,
-            )
-        )
         if t.dispatched_at is not None:
             self.metrics.observe_dispatch_latency(max(0.0, c.started_at - t.dispatched_at))
 
@@ -1004,17 +993,12 @@ class Coordinator:
     def _schedule_replan(self) -> None:
         """Replan soon, once: arrivals that ask for it while one is pending share it. A replan
         runs on the event loop, so automatic ones are spaced out: at least 1 s apart, at most
-        ~20 % of the time (5x the last replan's duration), and only when the virtual queues
-        hold work (two requests per live instance or more), leaving the rest to ingest and
-        dispatch. The policy is asked again on the next arrival or liveness tick."""
+        ~20 % of the time (5x the last replan's duration), leaving the rest to ingest and
+        dispatch; callers ask ``core.replan_wanted`` first (the policy wants one and the
+        queues hold work). It is asked again on the next arrival or liveness tick."""
         if self._replan_pending or self._stopping:
             return
         if time.monotonic() - self._last_auto_replan < max(1.0, 5 * self._last_replan_s):
-            return
-        # With (nearly) empty virtual queues there is no order to improve: the engines take
-        # requests as they come, and a replan would only stall the event loop.
-        live = sum(1 for i in self.core.instances.values() if i.status == "alive")
-        if sum(self.core.queue_depths().values()) + len(self.core.unassigned) < 2 * max(live, 1):
             return
         self._replan_pending = True
 
@@ -1037,7 +1021,7 @@ class Coordinator:
             gap, last_tick = tick - last_tick, tick
             lagged = gap > 2 * self.liveness_interval_s + 0.5
             now = time.time()
-            if self.core.policy.wants_replan(now):
+            if self.core.replan_wanted(now):
                 self._schedule_replan()
             if lagged:
                 # This loop was blocked (e.g. a long replan): heartbeats that arrived meanwhile

@@ -1,20 +1,33 @@
-"""The cluster simulator: qlm's coordinator rules and a policy object driving simulated engines.
+"""The cluster simulator: the product's coordinator core and agents' pull rules driving
+simulated engines on a simulated clock.
 
-Time is simulated and jumps from event to event: request arrivals, the end of an engine
-iteration / decode run / model load (:mod:`qlm.simulator.instance`), replan checks and, when the
-planner's own wall time is charged as decision delay, the moment a plan takes effect.
+Time jumps from event to event: request arrivals, the end of an engine iteration / decode run /
+model load (:mod:`qlm.simulator.instance`), heartbeats, replan checks and, when the planner's
+own wall time is charged as decision delay, the moment a plan takes effect.
 
-The coordinator side follows :class:`qlm.coordinator.core.CoordinatorCore` (and the live
-service's replan rules), with the same :class:`~qlm.virtual_queue.VirtualQueue` and the same
-:class:`~qlm.policy.QueuePolicy` object the live coordinator uses:
+Nothing the live path decides is re-implemented here. The coordinator is
+:class:`qlm.coordinator.core.CoordinatorCore` itself, fed through the same methods the live
+service calls, with the same policy object:
 
-* an arrival is placed by ``policy.place`` and inserted at ``policy.sort_key``;
-* an instance pulls from the head of its virtual queue when the agent's admission control
-  allows (engine waiting queue empty, KV usage under 90 %, at most 8 at a time);
-* a full replan runs when ``policy.wants_replan`` asks, at most once per ``replan_interval_s``
-  and only while the queues hold at least two requests per instance (the live rule);
-* for policies granted the LSOs, the plan's ``meta["lso"]`` is carried out: models kept warm in
-  host memory, running requests evicted (by swap or recompute) when the head group would miss.
+* an arrival is a :class:`~qlm.types.RequestMessage` given to ``core.admit`` (deadlines of
+  chain steps and collective stages, placement, the virtual queues);
+* each engine's agent keeps a :class:`~qlm.admission.PullAdmission`, as the live agent does:
+  it grants credit (``core.on_pull``) for what the engine wants, ``core.next_dispatches``
+  hands it requests, and its SLO gate (the ``slo_pull`` LSO) holds them back until they fit;
+* heartbeats (``core.on_heartbeat``) every 0.5 s, and at once when an engine's resident or warm
+  models change, carry what the planner reads about an instance and reconcile credit;
+* a finished request is a :class:`~qlm.control.Completion` for ``core.complete``, which
+  accepts, judges (the one ``slo_outcome``) and feeds the policy's length model; an evicted
+  one an :class:`~qlm.control.Evicted` for ``core.on_evicted`` (exact resume);
+* a replan runs when ``core.replan_wanted`` says so, at most once per ``replan_interval_s``;
+  the plan is adopted by ``core.adopt_plan`` and its LSO orders (``core.lso_orders``) go to
+  the engines: model states, evictions by swap or recompute;
+* a capacity controller adds instances (they register by heartbeat, then a replan) and
+  releases them (``core.drain``, then the instance retires once idle).
+
+What is the simulator's own: the engines (:mod:`qlm.simulator.instance`, on the one engine
+scheduler and performance model), the workload, the clock, and the figures it reports. The sim
+has no broker, so no message is lost or late, no coordinator takeover and no lost agent.
 
 Deterministic for a given workload and policy, except that a planner cut off by its wall-clock
 time budget may return a different plan on a slower machine (as it would live).
@@ -22,34 +35,34 @@ time budget may return a different plan on a slower machine (as it would live).
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 import heapq
 import itertools
 import math
 import random
 import time
-from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import structlog
 
-from qlm.admission import SLOAdmissionGate, required_speed
-from qlm.chains import CallDeadlines, LateTaskRule, chain_deadlines
-from qlm.collective import CollectiveTracker, stage_call_deadlines
-from qlm.coordinator.outcome import slo_outcome, task_met
+from qlm.admission import GATE_WINDOW, PullAdmission, SLOAdmissionGate, required_speed
+from qlm.chains import LateTaskRule
+from qlm.control import Completion, Evicted, Heartbeat, InstanceInfo, InstanceStatus
+from qlm.coordinator.core import CoordinatorCore, LSOSettings
+from qlm.coordinator.outcome import task_met
 from qlm.engine_model import EngineProfile, get_profile
-from qlm.policy import CompletionObservation, Plan, PlanRequest, QueuePolicy
+from qlm.policy import Plan, QueuePolicy
 from qlm.service_gain import service_gain
 from qlm.simulator.instance import SimInstance, SimJob
 from qlm.simulator.workload import SimRequest
+from qlm.types import SLO, RequestMessage, SLOOutcome, TaskInfo
 from qlm.virtual_queue import VirtualQueue
 
 log = structlog.get_logger(__name__)
 
-MIN_QUEUED_PER_INSTANCE = 2  # the live coordinator's rule for automatic replans
-PULL_WINDOW = 16  # SLO-aware pull: how far past the head of the virtual queue the gate looks
+HEARTBEAT_INTERVAL_S = 0.5  # the live agent's default
 
 
 @dataclass(frozen=True)
@@ -206,7 +219,63 @@ def _quantile(sorted_values: Sequence[float], q: float) -> float | None:
     return float(sorted_values[k])
 
 
-_ARRIVAL, _STEP, _TICK, _ADOPT, _READY, _CONTROL, _ISSUE = 0, 1, 2, 3, 4, 5, 6
+_ARRIVAL, _STEP, _TICK, _ADOPT, _READY, _CONTROL, _ISSUE, _HEARTBEAT = range(8)
+
+
+@functools.lru_cache(maxsize=65536)
+def _tokens(n: int) -> list[int]:
+    """Stand-in token ids: the core counts them and never reads them. One shared list per
+    length keeps a million requests' prompts and outputs from being materialised; nobody
+    mutates them (the core copies what it keeps)."""
+    return [0] * n
+
+
+def _agent_id(instance_id: str) -> str:
+    return f"sim-agent-{instance_id}"
+
+
+def _job_id(job: SimJob) -> str:
+    return job.request_id
+
+
+def _need(job: SimJob, now: float) -> float:
+    """SABER's reqSpd: the tokens it has left over the time left to its deadline (the view
+    as dispatched is already the resume's, so what is left is its max_tokens)."""
+    return required_speed(job.view.max_tokens, job.view.deadline, now)
+
+
+def _ms(seconds: float | None) -> int | None:
+    return None if seconds is None else round(seconds * 1000)
+
+
+def _message(req: SimRequest, program_started: float | None) -> RequestMessage:
+    """The request as a producer publishes it (built without validation: the workload's own
+    values). Times are simulated seconds, the core's clock in the simulator."""
+    task = None
+    if req.task_slo_s is not None and req.stage is None:
+        task = TaskInfo.model_construct(
+            task_id=req.program_id or req.request_id,
+            step=0,
+            task_slo_ms=_ms(req.task_slo_s),
+            task_started_at=program_started,
+            remaining_ms=_ms(req.remaining_s),
+        )
+    slo = SLO.model_construct(
+        e2e_ms=_ms(req.e2e_slo_s),
+        ttft_ms=_ms(req.ttft_slo_s),
+        tbt_ms=_ms(req.tbt_slo_s),
+        slo_class=req.slo_class,
+    )
+    return RequestMessage.model_construct(
+        request_id=req.request_id,
+        model=req.model,
+        prompt_token_ids=_tokens(req.prompt_tokens),
+        max_tokens=req.max_tokens,
+        slo=slo,
+        submitted_at=req.arrival_s,
+        task=task,
+        stage=req.stage,
+    )
 
 
 class CapacityController(Protocol):
@@ -275,7 +344,20 @@ class ClusterSimulator:
         self.config = config or SimConfig()
         if self.config.replan_interval_s <= 0:
             raise ValueError("replan_interval_s must be > 0")
+        if self.config.pull_gate not in ("qlm", "saber"):
+            raise ValueError(f"pull_gate must be 'qlm' or 'saber', not {self.config.pull_gate!r}")
         self.policy = policy
+        self.now = 0.0
+        lso = self.config.lso
+        # the product's coordinator core, on the simulated clock; the sim has no coordinator
+        # takeover and no lost agents, so liveness never expires an instance
+        self.core = CoordinatorCore(
+            policy,
+            heartbeat_timeout_s=math.inf,
+            clock=lambda: self.now,
+            lso=LSOSettings(eviction=lso.eviction, warm_start=lso.warm_start),
+            late_task_rule=self.config.late_task_rule,
+        )
         self.requests = sorted(requests, key=lambda r: (r.arrival_s, r.request_id))
         # Calls of programs (task chains, collective programs) that wait for others: issued
         # when the last of them finishes, so only the others arrive from the workload.
@@ -292,9 +374,7 @@ class ClusterSimulator:
             self._deps_left[r.request_id] = len(set(r.after))
             for d in set(r.after):
                 self._dependents.setdefault(d, []).append(r)
-        self.collective = CollectiveTracker()  # the live coordinator's stage deadlines
         self._program_start: dict[str, float] = {}
-        self._judged: dict[str, float | None] = {}
         self._progress = progress
         self._heap: list[tuple[float, int, int, Any, int]] = []
         self._seq = itertools.count()
@@ -306,19 +386,27 @@ class ClusterSimulator:
         self.retired: dict[str, SimInstance] = {}
         self.controller = controller
         self._finished_log: list[SimJob] = []
+        self.jobs: dict[str, SimJob] = {}
+        self._judged: dict[str, float | None] = {}  # a program call's derived deadline
+        self.outcomes: dict[str, SLOOutcome] = {}  # the core's judgement of each answered call
+        # each engine's agent: credit, dispatches received, the SLO gate's held requests
+        self.agents: dict[str, PullAdmission[SimJob]] = {}
+        self._all_agents: list[PullAdmission[SimJob]] = []  # retired ones too (their counts)
+        self._sent_view: dict[str, tuple[str | None, tuple[str, ...]]] = {}
+        self._rng = random.Random(self.config.seed)
+        self._saber = lso.slo_pull and self.config.pull_gate == "saber"
+        if self._saber and controller is not None:
+            raise ValueError("the SABER pull gate does not run with a capacity controller")
+        if self._saber:
+            self._check_speed_models(instances)
         for spec in instances:
             inst = self._make_instance(spec)
-            if self.config.lso.warm_start:
+            if lso.warm_start:
                 inst.set_warm(list(spec.models[1:]), 0.0)
                 for m in inst.warm:
                     inst.warm[m] = 0.0  # a warm cluster: host copies made before the run
-            self.instances[spec.instance_id] = inst
             self.lives[spec.instance_id] = InstanceLife(spec, 0.0, 0.0, initial=True)
-        self.queues = {iid: VirtualQueue(iid) for iid in self.instances}
-        self.queued_tokens = dict.fromkeys(self.instances, 0.0)
-        self.jobs: dict[str, SimJob] = {}
-        self.unassigned: list[SimJob] = []
-        self.queued_count = 0
+            self._join(inst)
         self.finished = 0
         self.last_finish = 0.0
         self.replans = 0
@@ -327,19 +415,6 @@ class ClusterSimulator:
         self._plan_pending = False
         self._estimates: dict[str, float] = {}
         self.events = 0
-        # SABER mode: per-instance low-priority queues, and when each queued request becomes
-        # hopeless (a heap of (time, seq, job))
-        if self.config.pull_gate not in ("qlm", "saber"):
-            raise ValueError(f"pull_gate must be 'qlm' or 'saber', not {self.config.pull_gate!r}")
-        self._saber = self.config.lso.slo_pull and self.config.pull_gate == "saber"
-        self._lpq: dict[str, deque[SimJob]] = {iid: deque() for iid in self.instances}
-        self._hopeless: list[tuple[float, int, SimJob]] = []
-        self._rng = random.Random(self.config.seed)
-        self.demoted = 0
-        if self._saber:
-            self._check_speed_models()
-            if controller is not None:
-                raise ValueError("the SABER pull gate does not run with a capacity controller")
 
     def _make_instance(self, spec: InstanceSpec) -> SimInstance:
         return SimInstance(
@@ -355,16 +430,27 @@ class ClusterSimulator:
             max_decode_run=self.config.max_decode_run,
         )
 
-    def _check_speed_models(self) -> None:
+    def _check_speed_models(self, instances: Sequence[InstanceSpec]) -> None:
         served = {r.model for r in self.requests}
-        for iid, inst in self.instances.items():
+        for spec in instances:
+            iid = spec.instance_id
             have = self.config.speed_models.get(iid, {})
-            missing = [m for m in inst.models if m in served and m not in have]
+            missing = [m for m in spec.models if m in served and m not in have]
             if missing:
                 raise ValueError(
                     f"the SABER gate needs f(L) for {missing} on {iid} "
                     "(SimConfig.speed_models; runner.saber_speed_fits profiles them)"
                 )
+
+    @property
+    def demoted(self) -> int:
+        """Held requests the agents' SLO gates moved to their best-effort tier."""
+        return sum(a.demoted for a in self._all_agents)
+
+    @property
+    def queues(self) -> dict[str, VirtualQueue]:
+        """The live instances' virtual queues (the core's)."""
+        return {iid: self.core.instances[iid].queue for iid in self.instances}
 
     # ------------------------------------------------------------------ event plumbing
     def _push(self, t: float, kind: int, payload: Any = None, version: int = 0) -> None:
@@ -382,6 +468,7 @@ class ClusterSimulator:
         last_arrival = reqs[-1].arrival_s if reqs else 0.0
         end = last_arrival + self.config.drain_s
         self._push(self.config.replan_interval_s, _TICK)
+        self._push(HEARTBEAT_INTERVAL_S, _HEARTBEAT)
         if self.controller is not None:
             if not self.controller.interval_s > 0:
                 raise ValueError("the capacity controller's interval_s must be > 0")
@@ -396,6 +483,7 @@ class ClusterSimulator:
                 break
             self.now = t
             self.events += 1
+            more = i < n or self.finished < total
             if t_arrival <= t_event:
                 self._arrive(reqs[i])
                 i += 1
@@ -406,8 +494,12 @@ class ClusterSimulator:
                         self._step_done(payload)
                 elif kind == _TICK:
                     self._maybe_replan()
-                    if i < n or self.finished < total:
+                    if more:
                         self._push(t + self.config.replan_interval_s, _TICK)
+                elif kind == _HEARTBEAT:
+                    self._heartbeats(force=True)
+                    if more:
+                        self._push(t + HEARTBEAT_INTERVAL_S, _HEARTBEAT)
                 elif kind == _ADOPT:
                     self._adopt(payload)
                 elif kind == _READY:
@@ -415,7 +507,7 @@ class ClusterSimulator:
                 elif kind == _CONTROL:
                     assert self.controller is not None
                     self.controller.on_tick(self)
-                    if i < n or self.finished < total:
+                    if more:
                         self._push(t + self.controller.interval_s, _CONTROL)
                 elif kind == _ISSUE:
                     self._arrive(replace(payload, arrival_s=t))
@@ -426,236 +518,209 @@ class ClusterSimulator:
             self._progress(1.0)
         return self._result(time.perf_counter() - started)
 
-    # ------------------------------------------------------------------ coordinator rules
-    def _arrive(self, req: SimRequest) -> None:
-        due = self._deadlines(req)
-        self._judged[req.request_id] = due.judged_deadline
-        view = PlanRequest(
-            request_id=req.request_id,
-            model=req.model,
-            prompt_tokens=req.prompt_tokens,
-            max_tokens=req.max_tokens,
-            arrival_time=req.arrival_s,
-            deadline=due.deadline,
-            ttft_deadline=due.ttft_deadline,
-            priority=due.priority,
-            slo_class=req.slo_class,
-            seq=len(self.jobs) + 1,
+    # ------------------------------------------------------------------ the agents' side
+    def _status(self, inst: SimInstance) -> InstanceStatus:
+        """What the instance's agent reports in a heartbeat (built without validation: the
+        simulator's own values, at a million requests' pace)."""
+        iid = inst.instance_id
+        agent = self.agents[iid]
+        info = InstanceInfo.model_construct(
+            instance_id=iid,
+            agent_id=_agent_id(iid),
+            engine="sim",
+            gpu_type=inst.gpu_type,
+            gpu_memory_gb=0.0,
+            models=list(inst.models),
+            kv_capacity_tokens=inst.kv_capacity,
+            max_batch_size=inst.static_batch or inst.max_batch,
+            capabilities={"kv_offload": self.config.lso.swap},
+            capability_notes=[],
+            # exact: a power-of-two scale, the core multiplies it back
+            cpu_memory_gb=inst.cpu_memory_bytes / 2**30,
         )
-        job = SimJob(req=req, view=view)
-        self.jobs[req.request_id] = job
-        target = self._place(job)
-        self._maybe_replan()
-        if target is not None:
-            self._feed(self.instances[target])
-
-    def _deadlines(self, req: SimRequest) -> CallDeadlines:
-        """The call's deadlines as the live coordinator derives them: its own SLO, a chain
-        step's from its task (qlm/chains.py), a stage's shared one (qlm/collective.py)."""
-        now = req.arrival_s
-        started = None
-        if req.program_id is not None:
-            started = self._program_start.setdefault(req.program_id, now)
-        due = chain_deadlines(
-            now,
-            e2e_s=req.e2e_slo_s,
-            ttft_s=req.ttft_slo_s,
-            task_slo_s=req.task_slo_s,
-            task_started_at=started,
-            remaining_s=req.remaining_s,
-            rule=self.config.late_task_rule,
+        return InstanceStatus.model_construct(
+            info=info,
+            active_model=inst.active_model,
+            running=len(inst.running),
+            waiting=len(inst.waiting),
+            kv_used_tokens=inst.kv_used,
+            tokens_per_s=0.0,
+            in_flight=[],  # read only by a coordinator taking over, which the sim never has
+            credit_outstanding=agent.owed,
+            dispatches_received=agent.received,
+            warm_models=list(inst.warm) if inst.warm_start else [],
         )
-        if req.stage is not None:
-            sd = self.collective.admit_stage(req.stage, req.prompt_tokens, req.e2e_slo_s, now, now)
-            due = stage_call_deadlines(sd, due, now)
-        return due
 
-    def _place(self, job: SimJob) -> str | None:
-        live = [inst.plan_view() for inst in self.instances.values()]
-        target = self.policy.place(job.view, live, self.queued_tokens, self.now)
-        self.queued_count += 1
-        if target is None:
-            job.queue_id = None
-            self.unassigned.append(job)
-            return None
-        self.queues[target].insert(job.req.request_id, self.policy.sort_key(job.view))
-        self.queued_tokens[target] += self.policy.work_tokens(job.view)
-        job.queue_id = target
-        if self._saber:
-            self._watch_demotion(job, target)
-        return target
+    def _heartbeat(self, inst: SimInstance) -> None:
+        iid = inst.instance_id
+        self._sent_view[iid] = (inst.active_model, tuple(inst.warm))
+        hb = Heartbeat.model_construct(
+            type="heartbeat",
+            agent_id=_agent_id(iid),
+            sent_at=self.now,
+            instances=[self._status(inst)],
+        )
+        self.core.on_heartbeat(hb, self.now)
 
-    def _feed(self, inst: SimInstance) -> None:
-        """The agent's pull: dispatch the head of the virtual queue while the engine wants it."""
-        queue = self.queues.get(inst.instance_id)
-        if queue is None:
-            return  # draining: it pulls nothing new
-        want = inst.wants()
-        if self._saber:
-            if want > 0:
-                self._feed_saber(inst, queue, want)
-            return
-        if want <= 0 or not len(queue):
-            return
+    def _heartbeats(self, *, force: bool = False) -> None:
+        """Agents heartbeat every :data:`HEARTBEAT_INTERVAL_S`, and at once when the resident
+        or warm models changed (what the planner reads from heartbeats), so plans see them."""
+        for inst in list(self.instances.values()) + list(self.draining.values()):
+            if force or self._sent_view.get(inst.instance_id) != (
+                inst.active_model,
+                tuple(inst.warm),
+            ):
+                self._heartbeat(inst)
+        self._dispatch()
+
+    def _join(self, inst: SimInstance) -> None:
+        iid = inst.instance_id
+        self.instances[iid] = inst
+        gate = None
+        window = GATE_WINDOW
         if self.config.lso.slo_pull:
-            self._feed_gated(inst, queue, want)
+            if self._saber:
+                fits = self.config.speed_models[iid]
+                gate = SLOAdmissionGate(next(iter(fits.values())))
+                window = self.config.saber_window
+            else:
+                gate = SLOAdmissionGate(inst.decode_speed)
+        agent: PullAdmission[SimJob] = PullAdmission(
+            gate,
+            need=_need,
+            key=_job_id,
+            window=window,
+            strict=self._saber,
+            rng=self._rng if self._saber else None,
+        )
+        self.agents[iid] = agent
+        self._all_agents.append(agent)
+        self._heartbeat(inst)
+        self._pull(inst)  # the agent's pull loop starts with the agent
+
+    def _pull(self, inst: SimInstance) -> None:
+        """The agent's pull loop for one engine: the gate admits what it holds, then credit
+        for what the engine wants goes to the coordinator, which dispatches."""
+        iid = inst.instance_id
+        agent = self.agents.get(iid)
+        if agent is None:
             return
+        model = inst.active_model
+        if self._saber and model in self.config.speed_models[iid]:
+            agent.gate = SLOAdmissionGate(self._speed(iid, model))  # f(L) of the model it runs
         batch: list[SimJob] = []
-        while want > 0 and len(queue):
-            job = self.jobs[queue.pop()]
-            self.queued_tokens[inst.instance_id] -= self.policy.work_tokens(job.view)
-            self.queued_count -= 1
-            batch.append(job)
-            want -= 1
-        inst.enqueue(batch, self.now)
-
-    def _feed_gated(self, inst: SimInstance, queue: VirtualQueue, want: int) -> None:
-        """SLO-aware pull: walk the head of the virtual queue in plan order and pull what the
-        gate admits, re-evaluating the load after each (SABER's window over the queue head)."""
-        now = self.now
-        load = len(inst.running) + len(inst.waiting)
-        floor = inst.speed_floor()
-        batch: list[SimJob] = []
-        for rid in queue.head(PULL_WINDOW):
-            job = self.jobs[rid]
-            need = required_speed(job.view.max_tokens, job.view.deadline, now)
-            gate = SLOAdmissionGate(
-                lambda n, j=job: inst.decode_speed(n, j)  # type: ignore[misc]
-            )
-            if not gate.admits(load, need, floor):
-                continue  # SABER: later requests in the window may still fit
-            job.req_speed = 0.0 if gate.best_effort(need) else need
-            floor = max(floor, job.req_speed)
-            load += 1
-            batch.append(job)
-            if len(batch) >= want:
-                break
-        self._take(inst, queue, batch)
-
-    def _take(self, inst: SimInstance, queue: VirtualQueue, batch: list[SimJob]) -> None:
-        for job in batch:
-            queue.remove(job.req.request_id)
-            self.queued_tokens[inst.instance_id] -= self.policy.work_tokens(job.view)
-            self.queued_count -= 1
+        agent.admit(inst.wants, batch.append, self.now)
         if batch:
             inst.enqueue(batch, self.now)
+        if iid not in self.instances:
+            return  # draining: it pulls nothing new
+        want = agent.credit_wanted(inst.wants())
+        if want > 0:
+            agent.granted(want)
+            self.core.on_pull(iid, want)
+        self._dispatch(iid)
 
-    # ------------------------------------------------------------------ SABER (Algorithm 1)
+    def _dispatch(self, instance_id: str | None = None) -> None:
+        """The coordinator hands queued requests to instances holding credit."""
+        delivered: dict[str, list[SimJob]] = {}
+        for order in self.core.next_dispatches(self.now, instance_id):
+            job = self.jobs[order.tracked.request_id]
+            job.view = order.tracked.plan_view  # an evicted request's: its resume
+            job.dispatch_id = order.dispatch_id
+            inst = self.instances[order.instance_id]
+            batch = delivered.setdefault(order.instance_id, [])
+            self.agents[order.instance_id].on_dispatch(job, batch.append)
+        for iid, batch in delivered.items():
+            inst = self.instances[iid]
+            if batch:
+                inst.enqueue(batch, self.now)
+            agent = self.agents[iid]
+            if agent.gate is not None:
+                batch = []
+                agent.admit(inst.wants, batch.append, self.now)
+                if batch:
+                    inst.enqueue(batch, self.now)
+
     def _speed(self, iid: str, model: str) -> Callable[[int], float]:
         return self.config.speed_models[iid][model]
 
-    def _watch_demotion(self, job: SimJob, iid: str) -> None:
-        """Note when a queued request stops being able to make its deadline even alone:
-        reqSpd(t) = maxTokens / (deadline - t) passes f(1) at deadline - maxTokens / f(1)."""
-        deadline = job.view.deadline
-        if deadline is None or not math.isfinite(deadline):
-            return
-        fastest = self._speed(iid, job.req.model)(1)
-        hopeless_at = deadline - job.view.max_tokens / fastest
-        heapq.heappush(self._hopeless, (hopeless_at, next(self._seq), job))
+    # ------------------------------------------------------------------ the producers' side
+    def _arrive(self, req: SimRequest) -> None:
+        started = None
+        if req.program_id is not None:
+            started = self._program_start.setdefault(req.program_id, req.arrival_s)
+        message = _message(req, started)
+        tracked, outcome = self.core.admit(
+            message, None, reply_to=None, correlation_id=None, received_at=self.now
+        )
+        if tracked is None:
+            raise RuntimeError(f"{req.request_id}: the core refused it ({outcome})")
+        self.jobs[req.request_id] = SimJob(req=req, view=tracked.plan_view)
+        if tracked.chain is not None:
+            self._judged[req.request_id] = tracked.chain.judged_deadline
+        self._maybe_replan()
+        if tracked.instance_id is not None:
+            self._dispatch(tracked.instance_id)
 
-    def _demote_due(self) -> None:
-        """Move every queued request that can no longer make its deadline, even running alone,
-        from its virtual queue (SABER's high-priority queue) to the low-priority one."""
-        now = self.now
-        heap = self._hopeless
-        while heap and heap[0][0] <= now:
-            _, _, job = heapq.heappop(heap)
-            iid = job.queue_id
-            if iid is None or job.req.request_id not in self.queues[iid]:
-                continue  # dispatched (or unassigned) since
-            need = required_speed(job.view.max_tokens, job.view.deadline, now)
-            if need <= self._speed(iid, job.req.model)(1):
-                self._watch_demotion(job, iid)  # re-placed on an instance with another f
-                continue
-            self.queues[iid].remove(job.req.request_id)
-            self.queued_tokens[iid] -= self.policy.work_tokens(job.view)
-            self.queued_count -= 1
-            job.queue_id = None
-            self._lpq[iid].append(job)
-            self.demoted += 1
-
-    def _feed_saber(self, inst: SimInstance, queue: VirtualQueue, want: int) -> None:
-        """SABER's Algorithm 1 at this instance: demote what cannot make it; while the
-        high-priority queue (the virtual queue) holds requests, admit one sampled at random
-        from its first ``saber_window`` whose required speed f(L + 1) meets, as long as
-        f(L + 1) also stays at or above every running request's frozen required speed, and
-        sample again; only when it is empty, hand low-priority requests to the engine without
-        a check. Each admission is one of SABER's control-loop ticks (δ -> 0)."""
-        self._demote_due()
-        now = self.now
-        iid = inst.instance_id
-        load = len(inst.running) + len(inst.waiting)  # every request in the engine, LPQ too
-        floor = inst.speed_floor()
-        batch: list[SimJob] = []
-        if len(queue):
-            taken: set[str] = set()
-            while len(batch) < want:
-                window = [r for r in queue.head(self.config.saber_window + len(taken))]
-                window = [r for r in window if r not in taken][: self.config.saber_window]
-                self._rng.shuffle(window)
-                admitted = None
-                for rid in window:
-                    job = self.jobs[rid]
-                    need = required_speed(job.view.max_tokens, job.view.deadline, now)
-                    gate = SLOAdmissionGate(self._speed(iid, job.req.model))
-                    if gate.admits_in_time(load, need, floor):
-                        admitted = job
-                        job.req_speed = need  # frozen: later checks use this value
-                        floor = max(floor, need)
-                        load += 1
-                        break
-                if admitted is None:
-                    break
-                taken.add(admitted.req.request_id)
-                batch.append(admitted)
-            self._take(inst, queue, batch)
-            return
-        lpq = self._lpq[iid]
-        while lpq and len(batch) < want:
-            job = lpq.popleft()
-            job.req_speed = 0.0  # best effort: no speed of its own to protect
-            batch.append(job)
-        if batch:
-            inst.enqueue(batch, now)
-
+    # ------------------------------------------------------------------ engine events
     def _step_done(self, inst: SimInstance) -> None:
         inst.on_event(self.now)
         if inst.evicted_out:
             evicted, inst.evicted_out = inst.evicted_out, []
             for job in evicted:
-                # exact resume: the request comes back as prompt + generated, for what is left
-                job.view = dataclasses.replace(
-                    job.view,
-                    prompt_tokens=job.req.prompt_tokens + job.generated,
-                    max_tokens=max(1, job.req.max_tokens - job.generated),
-                )
-                target = self._place(job)
-                if target is not None and target != inst.instance_id:
-                    self._feed(self.instances[target])
-        self._feed(inst)
+                self._report_evicted(inst.instance_id, job)
+        self._pull(inst)
         inst.resume(self.now)
         if inst.instance_id in self.draining and self._idle(inst):
             self._retire(inst)
 
+    def _report_evicted(self, iid: str, job: SimJob) -> None:
+        """The agent's Evicted report: everything generated so far, for an exact resume."""
+        self.agents[iid].forget(job.request_id)
+        ev = Evicted.model_construct(
+            type="evicted",
+            agent_id=_agent_id(iid),
+            instance_id=iid,
+            dispatch_id=job.dispatch_id,
+            request_id=job.request_id,
+            output_token_ids=_tokens(job.generated),
+            reason="evicted",
+        )
+        tracked = self.core.on_evicted(ev, self.now)
+        if tracked is not None and tracked.instance_id is not None:
+            self._dispatch(tracked.instance_id)
+
     def _on_finish(self, job: SimJob, now: float) -> None:
+        iid = job.instance_id or ""
+        agent = self.agents.get(iid)
+        if agent is not None:
+            agent.forget(job.request_id)
+        c = Completion.model_construct(
+            type="completion",
+            agent_id=_agent_id(iid),
+            instance_id=iid,
+            dispatch_id=job.dispatch_id,
+            request_id=job.request_id,
+            output_token_ids=_tokens(job.generated),
+            output_text="",
+            finish_reason="length",
+            prompt_tokens=job.req.prompt_tokens,
+            started_at=job.started_s if job.started_s is not None else now,
+            first_token_at=job.first_token_s,
+            finished_at=now,
+            preemptions=0,
+        )
+        done = self.core.complete(c)
+        if done is None:
+            raise RuntimeError(f"{job.request_id}: its completion was refused by the core")
+        tracked, _, outcome = done
+        self.outcomes[job.request_id] = outcome
+        self.core.finish(job.request_id)
         self.finished += 1
         if self.controller is not None:
             self._finished_log.append(job)
         self.last_finish = max(self.last_finish, now)
-        self.policy.observe_completion(
-            CompletionObservation(
-                model=job.req.model,
-                slo_class=job.req.slo_class,
-                output_tokens=job.generated,
-                prompt_tokens=job.req.prompt_tokens,
-                max_tokens=job.req.max_tokens,
-            )
-        )
-        req = job.req
-        if req.stage is not None:
-            self.collective.finished_stage(req.stage, job.generated, now)
-        for nxt in self._dependents.pop(req.request_id, ()):
+        for nxt in self._dependents.pop(job.request_id, ()):
             left = self._deps_left[nxt.request_id] - 1
             self._deps_left[nxt.request_id] = left
             if left == 0:  # the program's next call: issued after the tool / think time
@@ -675,9 +740,9 @@ class ClusterSimulator:
         self._push(self.now + ready_in_s, _READY, iid)
 
     def release_instance(self, iid: str) -> None:
-        """Let an instance go: one still starting is cancelled at once; a live one stops taking
-        work (its virtual queue is placed again on the others) and retires once what it runs
-        has finished."""
+        """Let an instance go: one still starting is cancelled at once; a live one is drained
+        (its virtual queue is placed again on the others, as the admin API's drain does) and
+        retires once what it runs has finished."""
         life = self.lives.get(iid)
         if life is None or life.released_s is not None:
             raise ValueError(f"no instance {iid!r} to release")
@@ -686,15 +751,9 @@ class ClusterSimulator:
         if inst is None:  # still starting
             life.retired_s = self.now
             return
-        queue = self.queues.pop(iid)
-        self.queued_tokens.pop(iid, None)
-        self._lpq.pop(iid, None)
         self.draining[iid] = inst
-        orphans = [self.jobs[rid] for rid in queue.clear()]
-        self.queued_count -= len(orphans)
-        for job in orphans:
-            job.queue_id = None
-        self._rebalance(orphans)
+        self.core.drain(iid, self.now)
+        self._dispatch()
         if self._idle(inst):
             self._retire(inst)
 
@@ -710,8 +769,8 @@ class ClusterSimulator:
         return out
 
     def queued_jobs(self, iid: str) -> list[SimJob]:
-        queue = self.queues.get(iid)
-        return [] if queue is None else [self.jobs[rid] for rid in queue]
+        state = self.core.instances.get(iid)
+        return [] if state is None else [self.jobs[rid] for rid in state.queue]
 
     def _ready(self, iid: str) -> None:
         life = self.lives[iid]
@@ -719,56 +778,37 @@ class ClusterSimulator:
             return  # cancelled while starting
         life.ready_s = self.now
         inst = self._make_instance(life.spec)
-        self.instances[iid] = inst
-        self.queues[iid] = VirtualQueue(iid)
-        self.queued_tokens[iid] = 0.0
-        self._lpq[iid] = deque()
-        self._rebalance([])
+        self._join(inst)
+        # a membership change: every queued request is planned again, so the new instance
+        # takes its share of the backlog at once (the live coordinator replans then too)
+        self._replan()
+        self._pull(inst)
 
-    @staticmethod
-    def _idle(inst: SimInstance) -> bool:
-        return not inst.running and not inst.waiting and inst.loading is None
+    def _idle(self, inst: SimInstance) -> bool:
+        agent = self.agents.get(inst.instance_id)
+        held = agent is not None and (agent.held or agent.best_effort)
+        return not inst.running and not inst.waiting and inst.loading is None and not held
 
     def _retire(self, inst: SimInstance) -> None:
         iid = inst.instance_id
         self.draining.pop(iid, None)
         self.retired[iid] = inst
         self.lives[iid].retired_s = self.now
-
-    def _rebalance(self, extra: list[SimJob]) -> None:
-        """After the set of live instances changed: every queued request is placed again, in
-        arrival order, so a new instance takes its share of the backlog at once (the live
-        coordinator replans on a membership change for the same reason)."""
-        queued = list(extra) + self.unassigned
-        for iid, q in self.queues.items():
-            queued += [self.jobs[rid] for rid in q.clear()]
-            self.queued_tokens[iid] = 0.0
-        self.unassigned = []
-        self.queued_count = 0
-        for job in sorted(queued, key=lambda j: j.view.seq):
-            self._place(job)
-        for inst in self.instances.values():
-            self._feed(inst)
-            inst.resume(self.now)
+        self.core.lose_instance(iid, "released", self.now)  # nothing left on it to requeue
+        self.agents.pop(iid, None)
 
     # ------------------------------------------------------------------ planning
     def _maybe_replan(self) -> None:
         now = self.now
         if self._plan_pending or now - self._last_replan < self.config.replan_interval_s:
             return
-        if self.queued_count < MIN_QUEUED_PER_INSTANCE * len(self.instances):
-            return
-        if not self.policy.wants_replan(now):
-            return
-        self._replan()
+        if self.core.replan_wanted(now):
+            self._replan()
 
     def _replan(self) -> None:
         now = self.now
-        queued = [self.jobs[rid] for q in self.queues.values() for rid in q]
-        queued += self.unassigned
-        views = [inst.plan_view() for inst in self.instances.values()]
         t0 = time.perf_counter()
-        plan = self.policy.plan([j.view for j in queued], views, now)
+        plan = self.core.make_plan(now)
         wall = time.perf_counter() - t0
         self.replans += 1
         self.planner_wall_s += wall
@@ -783,91 +823,50 @@ class ClusterSimulator:
             self._adopt(plan)
 
     def _adopt(self, plan: Plan) -> None:
-        """The virtual queues take the plan's order; requests dispatched while it was computed
-        are skipped, and those that arrived meanwhile are placed again."""
+        """The virtual queues take the plan's order (the core skips requests dispatched while
+        it was computed and places those that arrived meanwhile); its LSO orders go to the
+        agents; every instance then pulls."""
         self._plan_pending = False
-        queued: dict[str, SimJob] = {}
-        for q in self.queues.values():
-            for rid in q.clear():
-                queued[rid] = self.jobs[rid]
-        for job in self.unassigned:
-            queued[job.req.request_id] = job
-        self.unassigned = []
-        self.queued_tokens = dict.fromkeys(self.instances, 0.0)
-        self.queued_count = 0
-        for iid, ids in plan.queues.items():
-            if iid not in self.queues:
-                continue  # released while the plan was computed: its requests are re-placed
-            entries = []
-            for rid in ids:
-                if rid not in queued:
-                    continue  # dispatched while the plan was computed
-                job = queued.pop(rid)
-                entries.append((rid, self.policy.sort_key(job.view)))
-                self.queued_tokens[iid] += self.policy.work_tokens(job.view)
-                job.queue_id = iid
-            self.queues[iid].replace(entries)
-            self.queued_count += len(entries)
-        for job in sorted(queued.values(), key=lambda j: j.view.seq):
-            self._place(job)  # unassigned by the plan, or arrived while it was computed
-        self._carry_out_lso(plan)
-        for inst in self.instances.values():
-            self._feed(inst)
-            inst.resume(self.now)
-
-    def _carry_out_lso(self, plan: Plan) -> None:
-        lso = self.config.lso
-        decisions = plan.meta.get("lso") if plan.meta else None
-        if not decisions:
-            return
-        for iid, entry in decisions.items():
+        self.core.adopt_plan(plan, self.now)
+        model_orders, evictions = self.core.lso_orders(plan)
+        for mo in model_orders:
+            inst = self.instances.get(mo.instance_id)
+            if inst is not None:
+                inst.apply_model_states(mo.states, self.now)
+        by_instance: dict[str, list[tuple[SimJob, str]]] = {}
+        for order in evictions:
+            job = self.jobs[order.tracked.request_id]
+            agent = self.agents.get(order.instance_id)
+            if agent is not None and agent.take_held(job.request_id) is not None:
+                self._report_evicted(order.instance_id, job)  # the engine never saw it
+                continue
+            mode = order.mode if self.config.lso.swap else "evict"
+            by_instance.setdefault(order.instance_id, []).append((job, mode))
+        for iid, victims in by_instance.items():
             inst = self.instances.get(iid)
             if inst is None:
                 continue
-            if lso.warm_start:
-                # the plan's head model (the next to load when it differs from the resident
-                # one) stays warm too, then the others in the order the queue needs them
-                wanted = [entry.get("active_model"), *entry.get("warm_models", [])]
-                inst.set_warm([m for m in wanted if m and m != inst.active_model], self.now)
-            if not (lso.eviction and entry.get("preempt_running")):
-                continue
-            head = set(entry.get("head_requests", []))
-            head_jobs = [self.jobs[r] for r in head if r in self.jobs]
-            if not head_jobs:
-                continue
-            urgent = min(j.view.effective_deadline for j in head_jobs)
-            victims = [
-                j
-                for j in inst.running
-                if j.req.request_id not in head and j.view.effective_deadline > urgent
-            ]
-            if victims:
-                mode = "swap" if lso.swap and entry.get("preemption_mode") == "swap" else "evict"
-                inst.evict(victims, mode, self.now)
+            for mode in ("swap", "evict"):
+                jobs = [j for j, m in victims if m == mode]
+                if jobs:
+                    inst.evict(jobs, mode, self.now)
+        for inst in list(self.instances.values()):
+            self._pull(inst)
+            inst.resume(self.now)
+        self._dispatch()
 
     # ------------------------------------------------------------------ results
     def _result(self, wall: float) -> SimResult:
         outcomes = []
         for job in self.jobs.values():
             req = job.req
-            # a call of a program is judged against its derived deadline (qlm/chains.py)
-            judged = self._judged.get(req.request_id) if req.program_id is not None else None
+            # the core's judgement (CoordinatorCore.complete); never finished by the end of
+            # the run: missed. A call of a program is judged against its derived deadline
+            # (qlm/chains.py, qlm/collective.py), which its service gain uses too.
+            judged = self._judged.get(req.request_id)
             e2e_slo_s = req.e2e_slo_s if judged is None else judged - req.arrival_s
-            # the live coordinator's judgement (qlm/coordinator/outcome.py); never finished
-            # by the end of the run: missed. job.first_token_s is already the earliest across
-            # attempts (an evicted attempt's first token counts, as live)
-            met = job.finished_s is not None and (
-                slo_outcome(
-                    req.arrival_s,
-                    job.first_token_s,
-                    job.finished_s,
-                    job.generated,
-                    e2e_slo_s=req.e2e_slo_s,
-                    ttft_slo_s=req.ttft_slo_s,
-                    tbt_slo_s=req.tbt_slo_s,
-                    judged_deadline=judged,
-                ).met
-            )
+            verdict = self.outcomes.get(req.request_id)
+            met = verdict is not None and verdict.met
             outcomes.append(
                 RequestOutcome(
                     request_id=req.request_id,

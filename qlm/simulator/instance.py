@@ -19,8 +19,6 @@ over PCIe (``swap``) and copied back when it resumes on the same instance.
 
 from __future__ import annotations
 
-import heapq
-import itertools
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,8 +27,6 @@ from qlm.engine_model import EngineProfile
 from qlm.engine_scheduler import EngineLimits, EngineScheduler, EngineSeq, ModelResidency, Step
 from qlm.policy import PlanInstance, PlanRequest
 from qlm.simulator.workload import SimRequest
-
-_floor_seq = itertools.count()
 
 
 @dataclass(slots=True, eq=False, kw_only=True)
@@ -46,7 +42,7 @@ class SimJob(EngineSeq):
     started_s: float | None = None
     finished_s: float | None = None
     evictions: int = 0  # planner evictions (recompute or swap)
-    req_speed: float = 0.0  # SLO-aware pull: required tokens/s frozen at admission (0: none)
+    dispatch_id: str = ""  # the coordinator's id of its current attempt
 
     def __post_init__(self) -> None:
         req = self.req
@@ -99,7 +95,6 @@ class SimInstance:
         # host-memory copies of model weights (the whole host budget: warm models and
         # swapped KV; the plan's warm list replaces the current one)
         self.residency = ModelResidency(profiles, budget_bytes=cpu_memory_bytes, enabled=warm_start)
-        self._floor: list[tuple[float, int, SimJob]] = []  # max-heap of frozen required speeds
         self.version = 0
         self._busy_until: float | None = None
         self._segment: tuple[float, int, int, int] | None = None  # start, batch, context, steps
@@ -179,16 +174,6 @@ class SimInstance:
             )
         return self._view
 
-    def speed_floor(self) -> float:
-        """The highest frozen required speed among the requests running or waiting here."""
-        heap = self._floor
-        while heap:
-            job = heap[0][2]
-            if job.instance_id == self.instance_id and job.finished_s is None:
-                return -heap[0][0]
-            heapq.heappop(heap)
-        return 0.0
-
     def decode_speed(self, running: int, candidate: SimJob | None = None) -> float:
         """f(L): per-request tokens/s with ``running`` requests of the current mix, the engine
         performance model standing in for SABER's measured USL fit. Like a fit measured on
@@ -223,8 +208,6 @@ class SimInstance:
             job.queue_id = None
             if job.started_s is None:
                 job.started_s = now
-            if job.req_speed > 0:
-                heapq.heappush(self._floor, (-job.req_speed, next(_floor_seq), job))
             # the view as dispatched: an evicted job's was replaced by its resume (prompt +
             # generated, the rest of its budget)
             job.mix_prompt_tokens, job.max_tokens = job.view.prompt_tokens, job.view.max_tokens
@@ -237,6 +220,13 @@ class SimInstance:
         boundary; the jobs then come back through ``evicted_out``."""
         self._pending_evictions.extend((j, mode) for j in jobs)
         self._wake(now)
+
+    def apply_model_states(self, states: dict[str, str], now: float) -> None:
+        """The coordinator's model plan, as the ``sim`` agent backend applies it (the one
+        rule: :meth:`ModelResidency.apply_states`). Loading the planned model ahead of its
+        requests is the backend's alone: here the switch happens when its requests come."""
+        self.residency.apply_states(states, self.active_model, now)
+        self._view = None
 
     def set_warm(self, models: list[str], now: float) -> None:
         """Keep these models' weights in host memory (in this order, within the budget):
