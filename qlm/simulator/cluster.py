@@ -606,7 +606,7 @@ class ClusterSimulator:
         if agent is None:
             return
         model = inst.active_model
-        if self._saber and model in self.config.speed_models[iid]:
+        if self._saber and model is not None and model in self.config.speed_models[iid]:
             agent.gate = SLOAdmissionGate(self._speed(iid, model))  # f(L) of the model it runs
         batch: list[SimJob] = []
         agent.admit(inst.wants, batch.append, self.now)
