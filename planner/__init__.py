@@ -17,6 +17,7 @@ from planner.edf_shed import EDFShedPolicy
 from planner.gain_density import GainDensityPolicy
 from planner.shepherd import SHEPHERDPolicy
 from planner.stochastic import QLMPolicy
+from planner.vllm_direct import VLLMDirectPolicy
 from qlm.grouping import GroupingConfig
 from qlm.policy import QueuePolicy
 
@@ -30,6 +31,7 @@ POLICIES: dict[str, Callable[[], QueuePolicy]] = {
     "power_of_two": PowerOfTwoPolicy,
     "qlm": QLMPolicy,
     "gain_density": GainDensityPolicy,
+    "vllm": VLLMDirectPolicy,
 }
 
 
@@ -86,6 +88,7 @@ __all__ = [
     "RoundRobinPolicy",
     "BudgetClock",
     "SHEPHERDPolicy",
+    "VLLMDirectPolicy",
     "create_policy",
     "simulation_policy",
 ]

@@ -30,6 +30,7 @@ from typing import Any, Generic, TypeVar
 
 GATE_WINDOW = 8  # how far into the dispatched requests it holds back the gate looks
 BEST_EFFORT_HELD_MAX = 32  # demoted requests an agent holds before it stops pulling
+UNBOUNDED_CREDIT = 1 << 30  # credit an agent without a queue manager keeps granted
 
 R = TypeVar("R")
 
@@ -161,6 +162,9 @@ class PullAdmission(Generic[R]):
     window: int = GATE_WINDOW
     strict: bool = False
     rng: random.Random | None = None
+    # no queue manager (the ``vllm`` baseline): credit for anything the coordinator holds,
+    # whatever the engine wants, so every request reaches the engine at once
+    unbounded: bool = False
     owed: int = 0  # credit granted to the coordinator and not yet used by a dispatch
     received: int = 0  # dispatches received, ever (heartbeats report it)
     demoted: int = 0  # held requests moved to the best-effort tier, ever
@@ -174,6 +178,8 @@ class PullAdmission(Generic[R]):
         """Credit to grant now, given how many requests the engine wants: what it wants less
         what is owed; with a gate, only enough to keep ``window`` requests held for it to
         choose from, and none while demoted requests pile up."""
+        if self.unbounded:
+            return max(0, UNBOUNDED_CREDIT - self.owed)
         want = engine_wants - self.owed
         if self.gate is not None:
             want = min(want, self.window - len(self.held))

@@ -114,6 +114,10 @@ class QueuePolicy(ABC):
     # Set by policies whose executor runs fixed batches without continuous batching (the
     # SHEPHERD baseline): the cluster simulator then runs their instances that way.
     static_batch_size: int | None = None
+    # Set by the no-queue-manager baseline (``vllm``): its engines take every request the
+    # moment it is placed (agents grant unbounded credit), so nothing waits in a virtual
+    # queue and each engine's own FCFS waiting queue and preemption decide.
+    dispatch_at_arrival: bool = False
 
     @abstractmethod
     def sort_key(self, request: PlanRequest) -> tuple[Any, ...]:

@@ -301,3 +301,24 @@ def test_slo_gate_rules():
 def test_r_squared():
     assert r_squared([1, 2, 3], [1, 2, 3]) == 1.0
     assert r_squared([2, 2, 2], [1, 2, 3]) == pytest.approx(0.0)
+
+
+# ---------------------------------------------------------------------------- no queue manager
+def _burst(n: int, prompt: int, output: int) -> list[SimRequest]:
+    return [request(k, 0.001 * k, prompt=prompt, output=output) for k in range(n)]
+
+
+def test_the_vllm_baseline_hands_every_request_to_an_engine_at_arrival():
+    reqs = _burst(600, 3000, 1000)  # 2.4M tokens of KV: far more than two engines hold
+    policy = create_policy("vllm")
+    sim = ClusterSimulator(
+        instances(2), policy, reqs, SimConfig(dispatch_at_arrival=policy.dispatch_at_arrival)
+    )
+    result = sim.run()
+    assert all(j.started_s == j.req.arrival_s for j in sim.jobs.values())
+    assert {j.instance_id for j in sim.jobs.values()} == {"i0", "i1"}  # least in flight
+    # the engines ran out of KV and preempted by recompute, vLLM V1 style, far more often
+    # than when the agents pull by engine demand (no new work while KV is 90 % used)
+    fcfs = ClusterSimulator(instances(2), create_policy("fcfs"), reqs).run()
+    assert result.metrics()["preemptions"] > 3 * max(1, fcfs.metrics()["preemptions"])
+    assert fcfs.metrics()["completed"] == result.metrics()["completed"] == len(reqs)

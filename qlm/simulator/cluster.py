@@ -98,6 +98,8 @@ class SimConfig:
     drain_s: float = 600.0  # keep simulating this long after the last arrival
     lso: LSOSwitches = field(default_factory=LSOSwitches)
     static_batch: int | None = None  # SHEPHERD: fixed batches, no continuous batching
+    # the ``vllm`` baseline: every request to an engine at arrival (no queue manager)
+    dispatch_at_arrival: bool = False
     record_estimates: bool = False  # keep the policy's predicted completion times
     max_decode_run: int | None = None  # cap on iterations per decode jump (tests: 1)
     # the SLO-aware pull: "qlm" (qlm's LSO) uses the engine model for the instance's current
@@ -592,6 +594,7 @@ class ClusterSimulator:
             window=window,
             strict=self._saber,
             rng=self._rng if self._saber else None,
+            unbounded=self.config.dispatch_at_arrival,
         )
         self.agents[iid] = agent
         self._all_agents.append(agent)

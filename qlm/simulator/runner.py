@@ -165,6 +165,7 @@ def sim_config(spec: ScenarioSpec, policy_name: str, policy: QueuePolicy) -> Sim
         drain_s=opts.drain_s,
         lso=lso,
         static_batch=policy.static_batch_size,
+        dispatch_at_arrival=policy.dispatch_at_arrival,
         late_task_rule=opts.late_task_rule,
     )
 
