@@ -24,6 +24,7 @@ its nearest group in O(k) and flags a predicted violation for :meth:`wants_repla
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import math
 import time
@@ -49,7 +50,14 @@ from planner.milp import (
 )
 from qlm.estimator import HardwareProfile, OutputLengthModel, RCTEstimator
 from qlm.grouping import GroupIndex, GroupingConfig, build_groups, request_features
-from qlm.policy import CompletionObservation, Plan, PlanInstance, PlanRequest, QueuePolicy
+from qlm.policy import (
+    CompletionObservation,
+    InstanceLSO,
+    Plan,
+    PlanInstance,
+    PlanRequest,
+    QueuePolicy,
+)
 from qlm.service_gain import W_IN, W_OUT
 
 log = structlog.get_logger(__name__)
@@ -418,12 +426,12 @@ class QLMPolicy(QueuePolicy):
         else:
             meta["scale_up"] = {"needed": False}
         _, _, detail = self._evaluate(chosen, priced, hw, live, models, detail=True)
-        meta["lso"] = self._lso(chosen, priced, hw, live, models, grouping)
+        lso = self._lso(chosen, priced, hw, live, models)
         for g, ids in enumerate(chosen):
             queues_out[live[g].instance_id] = [reqs[i].request_id for i in ids]
         self._adopt(chosen, detail, priced, live, hw, now, models, grouping)
         meta["replan_s"] = round(time.perf_counter() - t0, 4)
-        return Plan(queues=queues_out, unassigned=unassigned, policy=self.name, meta=meta)
+        return Plan(queues=queues_out, unassigned=unassigned, policy=self.name, meta=meta, lso=lso)
 
     # ------------------------------------------------------------------ pricing
     def _price(self, reqs: list[PlanRequest], mpos: dict[str, int], now: float) -> _Priced:
@@ -723,8 +731,8 @@ class QLMPolicy(QueuePolicy):
         return met, worth, details
 
     # ------------------------------------------------------------------ LSO, scale-up
-    def _lso(self, queues, priced: _Priced, hw, live, models, grouping) -> dict[str, Any]:
-        out: dict[str, Any] = {}
+    def _lso(self, queues, priced: _Priced, hw, live, models) -> dict[str, InstanceLSO]:
+        out: dict[str, InstanceLSO] = {}
         for g, inst in enumerate(live):
             q = queues[g]
             # models in the order the queue first needs them
@@ -747,24 +755,29 @@ class QLMPolicy(QueuePolicy):
                     budget = None if budget is None else budget - size
                 else:
                     cold.append(m)
-            entry: dict[str, Any] = {
-                "active_model": head,
-                "model_switch": head is not None and inst.active_model not in (None, head),
-                "warm_models": warm,
-                "cold_models": cold,
-            }
+            decision = InstanceLSO(
+                active_model=head,
+                model_switch=head is not None and inst.active_model not in (None, head),
+                warm_models=tuple(warm),
+                cold_models=tuple(cold),
+            )
             if len(q) and head in models:
                 p = hw[(g, models.index(head))]
                 ctx = int(priced.prompt[q[:64]].mean() + priced.out_mean[q[:64]].mean() / 2)
-                entry["preemption_mode"] = p.preemption_mode(ctx, inst.cpu_memory_bytes)
-                entry["head_requests"] = [priced.reqs[i].request_id for i in q[: p.batch]]
                 # preempt the running batch when the head is predicted to miss while it waits
                 head_deadline = float(priced.deadline[q[: p.batch]].min())
                 wait = self._base(inst, g, hw, models)
-                entry["preempt_running"] = bool(
-                    inst.running > 0 and wait > 0 and p.prefill_s(ctx) + wait > head_deadline > 0
+                decision = dataclasses.replace(
+                    decision,
+                    preemption_mode=p.preemption_mode(ctx, inst.cpu_memory_bytes),
+                    head_requests=tuple(priced.reqs[i].request_id for i in q[: p.batch]),
+                    preempt_running=bool(
+                        inst.running > 0
+                        and wait > 0
+                        and p.prefill_s(ctx) + wait > head_deadline > 0
+                    ),
                 )
-            out[inst.instance_id] = entry
+            out[inst.instance_id] = decision
         return out
 
     def _scale_up(self, p: GroupProblem, live: list[PlanInstance], until: float) -> dict[str, Any]:

@@ -33,6 +33,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from functools import lru_cache
+from typing import Literal
 
 import numpy as np
 from scipy.special import ndtri
@@ -105,7 +106,9 @@ class HardwareProfile:
     def switch_in_s(self, warm: bool) -> float:
         return self.load_warm_s if warm else self.load_cold_s
 
-    def preemption_mode(self, context_tokens: int, cpu_free_bytes: float | None) -> str:
+    def preemption_mode(
+        self, context_tokens: int, cpu_free_bytes: float | None
+    ) -> Literal["swap", "evict"]:
         """Insight #2: swap the KV to CPU when moving it out and back is cheaper than a
         recompute and the host has room for it; evict (recompute later) otherwise."""
         swap_s = 2 * self.kv_transfer_s_per_token * context_tokens

@@ -17,7 +17,7 @@ import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 
 @functools.cache
@@ -92,15 +92,62 @@ class PlanInstance:
         return not self.draining and model in self.models
 
 
+@dataclass(frozen=True, slots=True)
+class InstanceLSO:
+    """A plan's LSO decisions for one instance, the typed seam from planner to executor (the
+    coordinator core turns them into orders for the agent: :meth:`CoordinatorCore.lso_orders`).
+
+    * ``active_model`` - the model the head of its queue needs; ``model_switch`` - it differs
+      from the resident one;
+    * ``warm_models`` / ``cold_models`` - the other models it serves, to keep in host memory
+      (in the order the queue needs them, within the host budget) or to release;
+    * ``head_requests`` - the head group (its first batch);
+    * ``preempt_running`` - the head group misses its SLO if it waits for the running batch:
+      running requests may be preempted for it, by ``preemption_mode`` (``"swap"``: the KV
+      goes to host memory and back; ``"evict"``: it is recomputed)."""
+
+    active_model: str | None = None
+    model_switch: bool = False
+    warm_models: tuple[str, ...] = ()
+    cold_models: tuple[str, ...] = ()
+    head_requests: tuple[str, ...] = ()
+    preempt_running: bool = False
+    preemption_mode: Literal["swap", "evict"] = "evict"
+
+    def model_states(self, served: Sequence[str]) -> dict[str, str]:
+        """model -> "active" | "warm" | "cold", for the models the instance serves."""
+        states: dict[str, str] = dict.fromkeys(self.cold_models, "cold")
+        states.update(dict.fromkeys(self.warm_models, "warm"))
+        if self.active_model:
+            states[self.active_model] = "active"
+        return {m: s for m, s in states.items() if m in served}
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON form (the admin API's latest plan)."""
+        return {
+            "active_model": self.active_model,
+            "model_switch": self.model_switch,
+            "warm_models": list(self.warm_models),
+            "cold_models": list(self.cold_models),
+            "head_requests": list(self.head_requests),
+            "preempt_running": self.preempt_running,
+            "preemption_mode": self.preemption_mode,
+        }
+
+
 @dataclass
 class Plan:
-    """An ordering of every queued request: one list per instance, plus what no instance serves."""
+    """An ordering of every queued request: one list per instance, plus what no instance serves.
+    ``lso``: per instance, the LSO decisions of policies that make them (empty for the others);
+    ``meta``: figures a policy reports about its plan (predicted attainment, feasibility,
+    scale-up advice), for operators and benches, never read to act on."""
 
     queues: dict[str, list[str]]
     unassigned: list[str] = field(default_factory=list)
     plan_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     policy: str = ""
     meta: dict[str, Any] = field(default_factory=dict)
+    lso: dict[str, InstanceLSO] = field(default_factory=dict)
 
     def assigned_ids(self) -> list[str]:
         return [rid for q in self.queues.values() for rid in q]

@@ -7,7 +7,7 @@ import pytest
 from planner import create_policy
 from qlm.control import Evicted, Heartbeat
 from qlm.coordinator.core import MAX_EXTRA_REPLY_TARGETS, BatchTier, CoordinatorCore, TrackState
-from qlm.policy import Plan
+from qlm.policy import InstanceLSO, Plan
 from tests.builders import heartbeat, make_request
 
 
@@ -324,8 +324,8 @@ def test_resume_keeps_one_token_to_generate_and_never_shrinks() -> None:
     assert t.resume_token_ids == [1, 2, 3]
 
 
-def _plan_with_lso(core: CoordinatorCore, entry: dict[str, object]) -> Plan:
-    return Plan(plan_id="p", policy="test", queues={}, meta={"lso": {"a-gpu0": entry}})
+def _plan_with_lso(core: CoordinatorCore, decision: InstanceLSO) -> Plan:
+    return Plan(plan_id="p", policy="test", queues={}, lso={"a-gpu0": decision})
 
 
 def test_lso_orders_evict_later_deadlines_for_an_at_risk_head_group() -> None:
@@ -333,12 +333,12 @@ def test_lso_orders_evict_later_deadlines_for_an_at_risk_head_group() -> None:
     relaxed, r_order = _dispatched(core, e2e_ms=600_000)
     urgent_running, _ = _dispatched(core, e2e_ms=1_000)
     head = admit(core, e2e_ms=5_000)
-    entry = {
-        "active_model": "mistral-7b",
-        "preempt_running": True,
-        "head_requests": [head.request_id],
-        "preemption_mode": "swap",
-    }
+    entry = InstanceLSO(
+        active_model="mistral-7b",
+        preempt_running=True,
+        head_requests=(head.request_id,),
+        preemption_mode="swap",
+    )
     models, evictions = core.lso_orders(_plan_with_lso(core, entry))
     # only the running request due after the head group goes; swap falls back to evict
     # because the instance does not report kv_offload
@@ -357,12 +357,12 @@ def test_lso_orders_respect_settings_and_model_state_changes() -> None:
     core.lso = LSOSettings(eviction=False, warm_start=True)
     _dispatched(core, e2e_ms=600_000)
     head = admit(core, e2e_ms=1_000)
-    entry = {
-        "active_model": "mistral-7b",
-        "warm_models": ["llama-70b"],  # not served here: dropped
-        "preempt_running": True,
-        "head_requests": [head.request_id],
-    }
+    entry = InstanceLSO(
+        active_model="mistral-7b",
+        warm_models=("llama-70b",),  # not served here: dropped
+        preempt_running=True,
+        head_requests=(head.request_id,),
+    )
     models, evictions = core.lso_orders(_plan_with_lso(core, entry))
     assert evictions == [] and [m.states for m in models] == [{"mistral-7b": "active"}]
 

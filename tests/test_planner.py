@@ -128,22 +128,23 @@ def test_lso_decisions_in_meta() -> None:
         for i in insts
     ]
     plan = QLMPolicy().plan(reqs, insts, NOW)
-    lso = plan.meta["lso"]
+    lso = plan.lso
     assert set(lso) == {i.instance_id for i in insts}
     for iid, entry in lso.items():
         inst = next(i for i in insts if i.instance_id == iid)
-        assert entry["active_model"] in inst.models
-        assert set(entry["warm_models"]) | set(entry["cold_models"]) <= set(inst.models)
+        assert entry.active_model in inst.models
+        assert set(entry.warm_models) | set(entry.cold_models) <= set(inst.models)
         if plan.queues[iid]:
-            assert entry["preemption_mode"] in {"swap", "evict"}
-            assert entry["head_requests"] == plan.queues[iid][: len(entry["head_requests"])]
+            assert entry.preemption_mode in {"swap", "evict"}
+            head = list(entry.head_requests)
+            assert head == plan.queues[iid][: len(head)]
     # 1 GB of host memory holds no 7B/13B weights: other models are cold
     both = [
         e
         for iid, e in lso.items()
         if len(next(i for i in insts if i.instance_id == iid).models) == 2
     ]
-    assert all(e["cold_models"] for e in both)
+    assert all(e.cold_models for e in both)
 
 
 def test_model_switches_are_grouped_not_thrashed() -> None:

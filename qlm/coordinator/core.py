@@ -900,33 +900,32 @@ class CoordinatorCore:
         return tracked
 
     def lso_orders(self, plan: Plan) -> tuple[list[ModelStateOrder], list[EvictOrder]]:
-        """Turn the plan's LSO decisions (``plan.meta["lso"]``, from policies that make them)
-        into orders for the agents: model placement per instance (sent when it changed) and
+        """Turn the plan's LSO decisions (``plan.lso``, from policies that make them) into
+        orders for the agents: model placement per instance (sent when it changed) and
         evictions of running attempts that would make the head group miss its deadline. The
         victims are those running on the instance, not in the head group, whose deadline is
         later than the head group's most urgent one."""
-        decisions = (plan.meta or {}).get("lso") or {}
         model_orders: list[ModelStateOrder] = []
         evictions: list[EvictOrder] = []
-        for iid, entry in decisions.items():
+        for iid, decision in plan.lso.items():
             inst = self.instances.get(iid)
             if inst is None or inst.status != "alive":
                 continue
             if self.lso.warm_start:
-                states = _model_states(entry, inst.info.models)
+                states = decision.model_states(inst.info.models)
                 if states and states != inst.model_states_sent:
                     inst.model_states_sent = states
                     model_orders.append(ModelStateOrder(iid, inst.info.agent_id, states))
-            if not (self.lso.eviction and entry.get("preempt_running")):
+            if not (self.lso.eviction and decision.preempt_running):
                 continue
-            head = set(entry.get("head_requests", []))
+            head = set(decision.head_requests)
             deadlines = [
                 self.requests[r].plan_view.effective_deadline for r in head if r in self.requests
             ]
             if not deadlines:
                 continue
             urgent = min(deadlines)
-            mode = "swap" if entry.get("preemption_mode") == "swap" else "evict"
+            mode = decision.preemption_mode
             if mode == "swap" and not inst.info.capabilities.get("kv_offload", False):
                 mode = "evict"  # the engine cannot keep KV in host memory: recompute
             for rid, did in inst.running.items():
@@ -1045,15 +1044,3 @@ class CoordinatorCore:
             t = self.requests.get(rid)
             if t is not None:
                 yield t
-
-
-def _model_states(entry: dict[str, Any], served: list[str]) -> dict[str, str]:
-    states: dict[str, str] = {}
-    for m in entry.get("cold_models", []):
-        states[m] = "cold"
-    for m in entry.get("warm_models", []):
-        states[m] = "warm"
-    active = entry.get("active_model")
-    if active:
-        states[active] = "active"
-    return {m: s for m, s in states.items() if m in served}

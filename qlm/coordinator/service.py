@@ -1216,7 +1216,7 @@ class Coordinator:
             "feasible": meta.get("feasible"),
             "predicted_attainment": meta.get("predicted_attainment"),
             "scale_up": meta.get("scale_up"),
-            "lso": meta.get("lso"),
+            "lso": {iid: d.to_dict() for iid, d in plan.lso.items()} or None,
         }
 
     async def drain(self, instance_id: str) -> dict[str, Any]:
