@@ -764,9 +764,12 @@ class QLMPolicy(QueuePolicy):
             if len(q) and head in models:
                 p = hw[(g, models.index(head))]
                 ctx = int(priced.prompt[q[:64]].mean() + priced.out_mean[q[:64]].mean() / 2)
-                # preempt the running batch when the head is predicted to miss while it waits
+                # preempt the running batch when the head needs another model and is predicted
+                # to miss while the batch drains first. A head of the resident model waits only
+                # for a free slot (continuous batching frees one at every completion), never
+                # for the drain the estimate charges: evicting for it only wastes work.
                 head_deadline = float(priced.deadline[q[: p.batch]].min())
-                wait = self._base(inst, g, hw, models)
+                wait = self._base(inst, g, hw, models) if decision.model_switch else 0.0
                 decision = dataclasses.replace(
                     decision,
                     preemption_mode=p.preemption_mode(ctx, inst.cpu_memory_bytes),

@@ -234,7 +234,12 @@ class PullAdmission(Generic[R]):
             self.best_effort.append(r)
             self.demoted += 1
         floor = self.floor()
-        while wants() > 0:
+        # what the engine wants now, admitted in one go: it counts a submitted request as
+        # waiting until its next iteration, so asking again after each would admit one per
+        # iteration
+        budget = wants()
+        while budget > 0:
+            budget -= 1
             running = len(self.frozen)
             chosen = self._choose(gate, running, floor, now)
             if (
