@@ -3,6 +3,7 @@
 The summary (built by :func:`qlm.simulator.runner.run_scenario`) is a JSON-ready dict::
 
     {"scenario": str, "description": str, "command": str, "seed": int,
+     "clairvoyant_max_tokens": bool,  # max_tokens was the true output (labelled everywhere)
      "sweep": None | {"parameter": str, "label": str, "values": [...], "variants": [str, ...]},
      "policies": {name: {metric: value, "slo_attainment_by_class": {class: value}}},
      "scatter": {"title", "x_label", "y_label", "x": [...], "y": [...], "r2"},   # optional
@@ -60,6 +61,7 @@ PALETTE = (
     "#bcbd22",
     "#17becf",
 )
+CLAIRVOYANT_LABEL = "clairvoyant: every request's max_tokens is its true output length"
 FIGURE_SIZE_IN = (6.0, 4.0)
 FIGURE_DPI = 120
 
@@ -451,6 +453,8 @@ def render_console_table(summary: Mapping[str, Any]) -> str:
 
     table = _build_table(summary, compact=True)
     title = str(summary["scenario"])
+    if summary.get("clairvoyant_max_tokens"):
+        title += f" [{CLAIRVOYANT_LABEL}]"
     if summary.get("description"):
         title += f": {summary['description']}"
     rich_table = Table(title=Text(title), box=box.SIMPLE_HEAD, title_justify="left")
@@ -480,8 +484,12 @@ def render_console_table(summary: Mapping[str, Any]) -> str:
 def results_markdown(summary: Mapping[str, Any], plots: Sequence[str] = ()) -> str:
     """The ``results.md`` document: what ran, the table, the misses, links to the plots."""
     lines = [f"# qlm bench sim: {summary['scenario']}", ""]
+    if summary.get("clairvoyant_max_tokens"):
+        lines[0] += " (clairvoyant)"
     if summary.get("description"):
         lines += [str(summary["description"]), ""]
+    if summary.get("clairvoyant_max_tokens"):
+        lines += [f"**{CLAIRVOYANT_LABEL}**: not what a real client can send.", ""]
     if summary.get("command"):
         lines.append(f"- command: `{summary['command']}`")
     seeds = summary.get("seeds")
@@ -549,6 +557,11 @@ def _series(value: Any, n: int, scale: float = 1.0) -> list[float]:
     return out
 
 
+def _plot_name(summary: Mapping[str, Any]) -> str:
+    name = str(summary["scenario"])
+    return f"{name} (clairvoyant)" if summary.get("clairvoyant_max_tokens") else name
+
+
 def _new_axes(title: str) -> tuple[Figure, Axes]:
     # The Agg canvas is attached to a bare Figure: no pyplot, so no global backend switch and
     # no figure registry to leak into; importing matplotlib here keeps importing us cheap.
@@ -592,7 +605,7 @@ def _sweep_line_plot(
     sweep = summary["sweep"]
     x, ticks = sweep_positions(sweep)
     colours = policy_colours(summary)
-    figure, axes = _new_axes(f"{summary['scenario']}: {title}")
+    figure, axes = _new_axes(f"{_plot_name(summary)}: {title}")
     for name, ys in series.items():
         axes.plot(x, ys, marker="o", color=colours[name], label=name)
     if ticks is not None:
@@ -678,7 +691,7 @@ def _bar_plots(summary: Mapping[str, Any], dest: Path) -> list[Path]:
     groups = ["overall", *classes]
     width = 0.8 / max(1, len(policies))
 
-    figure, axes = _new_axes(f"{summary['scenario']}: SLO attainment")
+    figure, axes = _new_axes(f"{_plot_name(summary)}: SLO attainment")
     for i, (name, entry) in enumerate(policies.items()):
         by_class = {str(k): v for k, v in entry.get(BY_CLASS, {}).items()}
         heights = _series([entry.get("slo_attainment"), *(by_class.get(c) for c in classes)], 0)
@@ -692,7 +705,7 @@ def _bar_plots(summary: Mapping[str, Any], dest: Path) -> list[Path]:
     axes.legend(title="policy")
     paths = [_save_figure(figure, dest / "attainment.png")]
 
-    figure, axes = _new_axes(f"{summary['scenario']}: throughput")
+    figure, axes = _new_axes(f"{_plot_name(summary)}: throughput")
     for i, (name, entry) in enumerate(policies.items()):
         height = _series([entry.get("throughput_rps")], 1)
         axes.bar([i], height, 0.8, color=colours[name], label=name)
@@ -712,7 +725,7 @@ def _r2_text(r2: Any) -> str:
 def _scatter_plot(summary: Mapping[str, Any], dest: Path) -> Path:
     scatter = summary["scatter"]
     title = scatter.get("title") or "scatter"
-    figure, axes = _new_axes(f"{summary['scenario']}: {title} (R² = {_r2_text(scatter.get('r2'))})")
+    figure, axes = _new_axes(f"{_plot_name(summary)}: {title} (R² = {_r2_text(scatter.get('r2'))})")
     xs = _series(scatter["x"], 0)
     ys = _series(scatter["y"], 0)
     axes.scatter(xs, ys, s=6, alpha=0.5, color=PALETTE[0], label="requests")

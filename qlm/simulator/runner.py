@@ -259,6 +259,8 @@ def run_scenario(
         "description": spec.description,
         "command": command,
         "seed": spec.seed,
+        # policies were told every request's true output length (max_tokens = output)
+        "clairvoyant_max_tokens": spec.clairvoyant_max_tokens,
         "sweep": None,
         "policies": {},
     }
