@@ -9,10 +9,15 @@ The summary (built by :func:`qlm.simulator.runner.run_scenario`) is a JSON-ready
      "scatter": {"title", "x_label", "y_label", "x": [...], "y": [...], "r2"},   # optional
      "misses": [str, ...]}                                                     # optional
 
+``"hindsight"`` (qlm/simulator/hindsight.py) holds the upper bound on attainment at each point:
+``slo_attainment``, ``met``, ``requests``, ``lp_value``, ``solo_infeasible``, ``unconstrained``
+and the LP's sizes and times under ``lp``.
+
 Without a sweep every metric is a scalar; with one, a list aligned with ``sweep["values"]``.
 A run over several seeds (:func:`aggregate_seeds`) holds the mean over seeds in ``policies``,
 the sample standard deviation in ``sd`` (same shape) and each seed's ``policies`` in
-``per_seed``; tables then show ``mean ± sd``.
+``per_seed``; tables then show ``mean ± sd``. The hindsight bound keeps its own ``sd`` and
+``per_seed`` inside ``"hindsight"``.
 Metrics may be ``None`` (or NaN): tables show "–", plots leave a gap, the JSON says ``null``.
 
 :func:`write_outputs` is all-or-nothing: everything is rendered into a temporary directory next
@@ -45,6 +50,7 @@ log = structlog.get_logger(__name__)
 
 MISSING = "–"
 BY_CLASS = "slo_attainment_by_class"
+HINDSIGHT = "hindsight"  # summary["hindsight"]: the upper bound on attainment (hindsight.py)
 SUMMARY_JSON = "summary.json"
 RESULTS_MD = "results.md"
 # matplotlib's tab10, fixed here so that a policy keeps its colour (by its position among the
@@ -190,7 +196,25 @@ def aggregate_seeds(summaries: Sequence[Mapping[str, Any]], seeds: Sequence[int]
     out["policies"] = policies
     out["sd"] = spread
     out["per_seed"] = {str(seed): s["policies"] for seed, s in zip(seeds, summaries, strict=True)}
+    bounds = [s.get(HINDSIGHT) for s in summaries]
+    if all(isinstance(b, Mapping) for b in bounds):
+        out[HINDSIGHT] = _aggregate_hindsight(bounds, seeds)
     return out
+
+
+def _aggregate_hindsight(bounds: Sequence[Any], seeds: Sequence[int]) -> dict[str, Any]:
+    """The seeds' hindsight bounds: numbers as mean over seeds, ``sd`` the sample standard
+    deviation, ``per_seed`` each seed's entry; the LP sizes of the first seed."""
+    mean: dict[str, Any] = {}
+    sd: dict[str, Any] = {}
+    for key, value in bounds[0].items():
+        if key == "lp":
+            mean[key] = value
+            continue
+        mean[key], sd[key] = _aggregate_metric([b.get(key) for b in bounds])
+    mean["sd"] = sd
+    mean["per_seed"] = {str(seed): dict(b) for seed, b in zip(seeds, bounds, strict=True)}
+    return mean
 
 
 # ------------------------------------------------------------------------------------- tables
@@ -325,9 +349,12 @@ def _build_table(summary: Mapping[str, Any], *, compact: bool) -> _Table:
     labels = ["policy"]
     if sweep is not None:
         labels.insert(0, str(sweep.get("label") or sweep.get("parameter") or "sweep"))
+    bound = summary.get(HINDSIGHT)
+    bound = bound if isinstance(bound, Mapping) else None
     headers = [
         *labels,
         *(c.compact if compact else c.header for c in _LEADING),
+        *([("bound %" if compact else "hindsight bound (%)")] if bound is not None else []),
         *(f"{cls} %" if compact else f"attainment {cls} (%)" for cls in classes),
         *(c.compact if compact else c.header for c in _TRAILING),
         "done/req" if compact else "completed/requests",
@@ -349,8 +376,16 @@ def _build_table(summary: Mapping[str, Any], *, compact: bool) -> _Table:
         def cell(fmt: Callable[[Any], str], value: Any, dev: Any) -> str:
             return _with_sd(fmt, _at(value, point), _at(dev, point))
 
+        bound_cells = []
+        if bound is not None:  # the same for every policy at a point: what none can beat
+            given = bound.get("sd")
+            bound_sd: Mapping[str, Any] = given if isinstance(given, Mapping) else {}
+            bound_cells = [
+                cell(_percent, bound.get("slo_attainment"), bound_sd.get("slo_attainment"))
+            ]
         return [
             *(cell(c.fmt, entry.get(c.key), sd.get(c.key)) for c in _LEADING),
+            *bound_cells,
             *(cell(_percent, by_class_str.get(cls), sd_class.get(cls)) for cls in classes),
             *(cell(c.fmt, entry.get(c.key), sd.get(c.key)) for c in _TRAILING),
             MISSING if MISSING in (completed, requests) else f"{completed}/{requests}",
@@ -502,6 +537,11 @@ def results_markdown(summary: Mapping[str, Any], plots: Sequence[str] = ()) -> s
     if sweep is not None:
         label = sweep.get("label") or sweep.get("parameter")
         lines.append(f"- sweep: {label} (`{sweep.get('parameter')}`)")
+    if isinstance(summary.get(HINDSIGHT), Mapping):
+        lines.append(
+            "- hindsight bound: no scheduler, even one knowing every output length, could have "
+            "met more than this share of the requests (an LP relaxation, docs/simulator.md)"
+        )
     if isinstance(summary.get("targets"), str):
         lines.append(f"- targets: {summary['targets']}")
     scatter = summary.get("scatter")
@@ -601,6 +641,7 @@ def _sweep_line_plot(
     series: Mapping[str, list[float]],
     *,
     percent: bool = False,
+    bound: list[float] | None = None,
 ) -> Path:
     sweep = summary["sweep"]
     x, ticks = sweep_positions(sweep)
@@ -608,6 +649,8 @@ def _sweep_line_plot(
     figure, axes = _new_axes(f"{_plot_name(summary)}: {title}")
     for name, ys in series.items():
         axes.plot(x, ys, marker="o", color=colours[name], label=name)
+    if bound is not None:
+        axes.plot(x, bound, linestyle="--", color="black", label="hindsight bound")
     if ticks is not None:
         axes.set_xticks(x, labels=ticks)
     axes.set_xlabel(str(sweep.get("label") or sweep.get("parameter") or "sweep"))
@@ -619,6 +662,13 @@ def _sweep_line_plot(
     axes.grid(True, alpha=0.3)
     axes.legend(title="policy")
     return _save_figure(figure, path)
+
+
+def _bound_series(summary: Mapping[str, Any], n: int) -> list[float] | None:
+    bound = summary.get(HINDSIGHT)
+    if not isinstance(bound, Mapping):
+        return None
+    return _series(bound.get("slo_attainment"), n, 100.0)
 
 
 def _sweep_plots(summary: Mapping[str, Any], dest: Path) -> list[Path]:
@@ -636,6 +686,7 @@ def _sweep_plots(summary: Mapping[str, Any], dest: Path) -> list[Path]:
             "SLO attainment (%)",
             metric("slo_attainment", 100.0),
             percent=True,
+            bound=_bound_series(summary, n),
         ),
         _sweep_line_plot(
             dest / "throughput.png",
