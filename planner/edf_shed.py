@@ -21,7 +21,8 @@ The prediction ("will this request miss?") uses only what is known before it run
   (:class:`qlm.estimator.OutputLengthModel`, or the per-request forest of
   :mod:`qlm.length_forest` with ``length_model="forest"``), fitted on completions observed
   online, at the ``length_quantile`` (0.5: the mean). The request's ``max_tokens`` is not used
-  unless ``use_max_tokens=True``: the simulator's scenarios derive it from the true output;
+  unless ``use_max_tokens=True`` (a client's cap says little; in the simulator's labelled
+  clairvoyant variant it is the true output);
 * the instance's per-token time at the batch it runs, from :mod:`qlm.engine_model` (the typical
   batch of the RCT estimator when work waits, the running batch plus one when none does), and
   the prompt's prefill time;

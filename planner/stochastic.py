@@ -73,8 +73,8 @@ class QLMConfig:
     # "normal": the per-group fit above; "forest": per-request quantile regression forest once
     # it has 256 completions of a model (qlm/length_forest.py, docs/length-bound.md)
     length_model: str = "normal"
-    # keep max_tokens out of the forest's features: the simulator derives it from the true
-    # output (max_tokens = ceil(output × slack)), which would leak the answer
+    # False keeps max_tokens out of the forest's features: needed where it is derived from the
+    # true output (the simulator's clairvoyant_max_tokens variant), which would leak the answer
     length_cap_feature: bool = True
     time_budget_s: float = 0.3  # improvement phases stop here (measured from plan() start)
     scale_up_budget_s: float = 0.05

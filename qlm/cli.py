@@ -1023,6 +1023,14 @@ def bench_sim(
             "tables show mean ± sd (default: the scenario's seeds, else its one seed)"
         ),
     ] = None,
+    clairvoyant: Annotated[
+        bool,
+        typer.Option(
+            "--clairvoyant",
+            help="every request's max_tokens is its true output length (policies are told "
+            "the answer; the report says so): the scenario's clairvoyant_max_tokens",
+        ),
+    ] = False,
     hours: Annotated[
         float, typer.Option(min=0.05, help="capacity scenario: simulated hours (a day: 24)")
     ] = 24.0,
@@ -1059,6 +1067,8 @@ def bench_sim(
         spec, preset = resolve(scenario, file)
     except ValueError as e:
         raise typer.BadParameter(str(e)) from e
+    if clairvoyant:
+        spec = spec.with_value("clairvoyant_max_tokens", True)
     if dump_:
         typer.echo(dump(spec))
         return

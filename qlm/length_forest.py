@@ -287,8 +287,8 @@ class QuantileLengthPredictor:
     leaf sample kept (``max_samples_leaf=None``: the weighted leaf samples *are* the conditional
     distribution that :meth:`tighten` needs). ``cap_feature=False`` keeps ``max_tokens`` out
     of the features (predictions are still truncated at it): use it where the cap is derived
-    from the true output, as in the simulator's workloads (``max_tokens = ceil(output ×
-    slack)``), or the forest learns the answer from the cap.
+    from the true output, as in the simulator's clairvoyant variant (``max_tokens = output``),
+    or the forest learns the answer from the cap.
 
     Cost (measured on this project's 2-core machine, 100 trees, one core): a refresh on a
     window of 2,048 takes about 0.15 s of fit plus 0.12 s of out-of-bag calibration (4,096:

@@ -165,6 +165,14 @@ def test_every_preset_is_listed_and_dumps_to_a_loadable_file(tmp_path):
     assert load_scenario(path) == PRESETS["hetero"].spec()
 
 
+def test_clairvoyant_flag_sets_the_scenario_field():
+    dumped = runner.invoke(app, ["bench", "sim", "--scenario", "wb", "--dump", "--clairvoyant"])
+    assert dumped.exit_code == 0
+    assert yaml.safe_load(dumped.output)["clairvoyant_max_tokens"] is True
+    plain = runner.invoke(app, ["bench", "sim", "--scenario", "wb", "--dump"])
+    assert yaml.safe_load(plain.output)["clairvoyant_max_tokens"] is False
+
+
 def test_runs_are_reproducible_for_every_policy(tmp_path):
     """Same scenario, same seed: identical figures (the planners budget work, not wall time)."""
     data = {**SMALL, "sweep": None, "duration_s": 40}

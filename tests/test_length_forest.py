@@ -90,8 +90,9 @@ def test_calibration_corrects_the_raw_forest() -> None:
 
 
 def test_cap_feature_off_ignores_a_leaking_cap() -> None:
-    """In the simulator max_tokens = ceil(output × slack): with the cap as a feature the forest
-    reads the answer off it; with ``cap_feature=False`` it cannot, but still truncates."""
+    """Where max_tokens is derived from the output (the simulator's clairvoyant variant), a
+    forest with the cap as a feature reads the answer off it; with ``cap_feature=False`` it
+    cannot, but still truncates."""
     feats, out, _ = synthetic(1500, seed=9)
     leaky = [
         LengthFeatures(f.model, f.prompt_tokens, int(o * 2), f.slo_class, f.task)

@@ -287,6 +287,17 @@ def test_results_md_has_context_table_misses_and_plot_links(
     assert "![scatter](scatter.png)" in text and "![attainment](attainment.png)" in text
 
 
+def test_a_clairvoyant_run_says_so_everywhere() -> None:
+    summary = {**sweep_summary(), "clairvoyant_max_tokens": True}
+    assert "clairvoyant: every request's max_tokens is its true output length" in (
+        render_console_table(summary)
+    )
+    text = report.results_markdown(summary)
+    assert text.startswith("# qlm bench sim: wb (clairvoyant)\n")
+    assert "max_tokens is its true output length" in text
+    assert "clairvoyant" not in render_console_table(sweep_summary())
+
+
 # ----------------------------------------------------------------------------------- tables
 
 

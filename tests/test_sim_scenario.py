@@ -135,7 +135,8 @@ BAD: list[tuple[str, Callable[[dict[str, Any]], None], str]] = [
     ("streams.0.model_weights.0", _set("streams.0.model_weights", [0]), "must be > 0"),
     ("streams.0.e2e_slo_s", _drop("streams.0.e2e_slo_s"), "e2e_slo_s and/or ttft_slo_s"),
     ("streams.0.ttft_slo_s", _set("streams.0.ttft_slo_s", 0), "greater than 0"),
-    ("streams.0.max_tokens_slack", _set("streams.0.max_tokens_slack", 0.5), "greater than or"),
+    ("streams.0.max_tokens_slack", _set("streams.0.max_tokens_slack", 1.0), "removed: it derived"),
+    ("streams.0.max_tokens", _set("streams.0.max_tokens", 0), "greater than or equal to 1"),
     ("streams.0.end_s", _set("streams.0.end_s", 0), "greater than 0"),
     (
         "streams.0.end_s",

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import math
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -147,30 +146,55 @@ def test_fit_lengths_cuts_the_prompt_first_then_the_output() -> None:
     # 8000 + 3000: the prompt is cut to 2048 (half the context), then the output to the rest.
     # 100 + 200 fits; zero counts become 1.
     assert prompt.tolist() == [2596, 2048, 100, 1]
-    assert max_tokens.tolist() == [1500, 2048, 200, 1]
     assert output.tolist() == [1500, 2048, 200, 1]
+    # no cap: the client asks for what is left of the context, not for the true output
+    assert max_tokens.tolist() == [1500, 2048, 3996, 4095]
 
 
-def test_fit_lengths_slack_and_caps() -> None:
+def test_fit_lengths_clairvoyant_leaks_the_output() -> None:
     prompt, output, max_tokens = fit_lengths(
-        np.array([500, 500]),
-        np.array([100, 7]),
+        np.array([3000, 8000, 100, 0]),
+        np.array([1500, 3000, 200, 0]),
+        max_context=4096,
+        max_output_tokens=4096,
+        clairvoyant=True,
+    )
+    assert prompt.tolist() == [2596, 2048, 100, 1]
+    assert max_tokens.tolist() == output.tolist() == [1500, 2048, 200, 1]
+
+
+def test_fit_lengths_cap_truncates_and_caps() -> None:
+    prompt, output, max_tokens = fit_lengths(
+        np.array([500, 500, 8000]),
+        np.array([100, 7, 900]),
         max_context=8192,
         max_output_tokens=4096,
-        slack=1.5,
+        cap=64,
         prompt_cap=300,
         output_cap=50,
     )
-    assert prompt.tolist() == [300, 300]
-    assert output.tolist() == [50, 7]
-    assert max_tokens.tolist() == [75, 11]  # ceil(50 * 1.5), ceil(7 * 1.5)
+    assert prompt.tolist() == [300, 300, 300]
+    assert output.tolist() == [50, 7, 50]
+    assert max_tokens.tolist() == [64, 64, 64]
+    # a cap below the drawn output cuts the output there (the engine stops at max_tokens)
+    _, output, max_tokens = fit_lengths(
+        np.array([10, 10]), np.array([100, 20]), max_context=8192, max_output_tokens=4096, cap=32
+    )
+    assert output.tolist() == [32, 20]
+    assert max_tokens.tolist() == [32, 32]
+    # a cap the context cannot hold is clipped to what is left after the prompt
+    prompt, _, max_tokens = fit_lengths(
+        np.array([8000]), np.array([100]), max_context=8192, max_output_tokens=4096, cap=1024
+    )
+    assert prompt.tolist() == [8000] and max_tokens.tolist() == [192]
 
 
 @given(
     st.lists(st.tuples(st.integers(0, 20_000), st.integers(0, 20_000)), min_size=1, max_size=30),
     st.sampled_from([2048, 4096, 8192]),
     st.integers(1, 4096),
-    st.floats(1.0, 4.0),
+    st.one_of(st.none(), st.integers(1, 5000)),
+    st.booleans(),
     st.one_of(st.none(), st.integers(1, 10_000)),
     st.one_of(st.none(), st.integers(1, 10_000)),
 )
@@ -178,7 +202,8 @@ def test_fit_lengths_invariants(
     rows: list[tuple[int, int]],
     ctx: int,
     out_limit: int,
-    slack: float,
+    cap: int | None,
+    clairvoyant: bool,
     prompt_cap: int | None,
     output_cap: int | None,
 ) -> None:
@@ -189,7 +214,8 @@ def test_fit_lengths_invariants(
         raw_output,
         max_context=ctx,
         max_output_tokens=out_limit,
-        slack=slack,
+        cap=cap,
+        clairvoyant=clairvoyant,
         prompt_cap=prompt_cap,
         output_cap=output_cap,
     )
@@ -198,17 +224,24 @@ def test_fit_lengths_invariants(
     assert np.all(max_tokens <= min(out_limit, ctx - 1))
     assert np.all(prompt + max_tokens <= ctx)
     assert np.all(prompt <= np.maximum(raw_prompt, 1))
+    if clairvoyant:
+        assert np.array_equal(max_tokens, output)
+    else:  # what the client asks for does not depend on the output
+        limit = np.minimum(out_limit, ctx - prompt)
+        assert np.array_equal(max_tokens, limit if cap is None else np.minimum(limit, cap))
+    if cap is not None:
+        assert np.all(output <= cap)
     if prompt_cap is not None:
         assert np.all(prompt <= prompt_cap)
     if output_cap is not None:
         assert np.all(output <= output_cap)
     # A request that already fits is left alone.
-    wanted = np.ceil(np.maximum(raw_output, 1) * slack)
     fits = (
         (raw_prompt >= 1)
         & (raw_output >= 1)
-        & (raw_prompt + wanted <= ctx)
-        & (wanted <= out_limit)
+        & (raw_prompt + raw_output <= ctx)
+        & (raw_output <= out_limit)
+        & (raw_output <= (cap or 10**9))
         & (raw_prompt <= (prompt_cap or 10**9))
         & (raw_output <= (output_cap or 10**9))
     )
@@ -261,20 +294,47 @@ def test_requests_fit_their_model() -> None:
     stream = _stream(
         models=["mistral-7b", "vicuna-13b", "vicuna-ft", "llama-2-70b"],
         lengths={"source": "arxiv", "max_output_tokens": 3000},
-        max_tokens_slack=1.3,
     )
     spec = scenario(stream)
     requests = build_requests(spec)
     assert len(requests) > 1000
-    clipped = 0
     for r in requests:
         model = spec.model_spec(r.model)
         assert r.prompt_tokens >= 1 and r.output_tokens >= 1
         assert r.output_tokens <= r.max_tokens <= model.max_output_tokens
         assert r.prompt_tokens + r.max_tokens <= model.max_context
         assert r.output_tokens <= 3000
-        clipped += r.max_tokens < math.ceil(r.output_tokens * 1.3)
-    assert clipped < len(requests)  # most requests keep the slack
+        # the lengths' clip is the cap, whatever the output (within the model's limits)
+        limit = min(model.max_output_tokens, model.max_context - r.prompt_tokens)
+        assert r.max_tokens == min(3000, limit)
+
+
+def test_max_tokens_is_not_the_output_unless_clairvoyant() -> None:
+    """The default workload does not tell the policies the true output length through
+    max_tokens; a stream's cap is what every request asks for and cuts the output; the
+    clairvoyant variant leaks it, and draws the same prompts and outputs."""
+    realistic = build_requests(scenario(_stream()))
+    assert len(realistic) > 1000
+    assert sum(r.max_tokens == r.output_tokens for r in realistic) < len(realistic) / 100
+    # mistral-7b's limit, or what its 8192-token context leaves after a long prompt
+    assert all(r.max_tokens == min(4096, 8192 - r.prompt_tokens) for r in realistic)
+    spec = scenario(_stream()).with_value("clairvoyant_max_tokens", True)
+    clairvoyant = build_requests(spec)
+    assert all(r.max_tokens == r.output_tokens for r in clairvoyant)
+    assert [(r.prompt_tokens, r.output_tokens) for r in clairvoyant] == [
+        (r.prompt_tokens, r.output_tokens) for r in realistic
+    ]
+    capped = build_requests(scenario(_stream(max_tokens=256)))
+    # the cap, or less where a long prompt leaves less of the context
+    assert all(c.max_tokens == min(256, 8192 - c.prompt_tokens) for c in capped)
+    assert all(
+        c.output_tokens == min(r.output_tokens, 256) for c, r in zip(capped, realistic, strict=True)
+    )
+    # an output clip on the lengths is the cap the stream's client sends
+    clipped = build_requests(
+        scenario(_stream(lengths={"source": "sharegpt", "max_output_tokens": 300}))
+    )
+    assert all(c.max_tokens == min(300, 8192 - c.prompt_tokens) for c in clipped)
 
 
 def test_model_weights_are_respected() -> None:
@@ -293,7 +353,7 @@ def test_stream_window_and_fixed_lengths() -> None:
     requests = build_requests(scenario(stream))
     assert requests and all(30 <= r.arrival_s < 60 for r in requests)
     assert {(r.prompt_tokens, r.output_tokens, r.max_tokens) for r in requests} == {
-        (3584, 512, 512)
+        (3584, 512, 4096)
     }
     late = _stream(start_s=90, end_s=500)  # end_s past the scenario is cut at its duration
     assert all(90 <= r.arrival_s < 100 for r in build_requests(scenario(late)))

@@ -3,15 +3,21 @@
 The summary (built by :func:`qlm.simulator.runner.run_scenario`) is a JSON-ready dict::
 
     {"scenario": str, "description": str, "command": str, "seed": int,
+     "clairvoyant_max_tokens": bool,  # max_tokens was the true output (labelled everywhere)
      "sweep": None | {"parameter": str, "label": str, "values": [...], "variants": [str, ...]},
      "policies": {name: {metric: value, "slo_attainment_by_class": {class: value}}},
      "scatter": {"title", "x_label", "y_label", "x": [...], "y": [...], "r2"},   # optional
      "misses": [str, ...]}                                                     # optional
 
+``"hindsight"`` (qlm/simulator/hindsight.py) holds the upper bound on attainment at each point:
+``slo_attainment``, ``met``, ``requests``, ``lp_value``, ``solo_infeasible``, ``unconstrained``
+and the LP's sizes and times under ``lp``.
+
 Without a sweep every metric is a scalar; with one, a list aligned with ``sweep["values"]``.
 A run over several seeds (:func:`aggregate_seeds`) holds the mean over seeds in ``policies``,
 the sample standard deviation in ``sd`` (same shape) and each seed's ``policies`` in
-``per_seed``; tables then show ``mean ± sd``.
+``per_seed``; tables then show ``mean ± sd``. The hindsight bound keeps its own ``sd`` and
+``per_seed`` inside ``"hindsight"``.
 Metrics may be ``None`` (or NaN): tables show "–", plots leave a gap, the JSON says ``null``.
 
 :func:`write_outputs` is all-or-nothing: everything is rendered into a temporary directory next
@@ -44,6 +50,7 @@ log = structlog.get_logger(__name__)
 
 MISSING = "–"
 BY_CLASS = "slo_attainment_by_class"
+HINDSIGHT = "hindsight"  # summary["hindsight"]: the upper bound on attainment (hindsight.py)
 SUMMARY_JSON = "summary.json"
 RESULTS_MD = "results.md"
 # matplotlib's tab10, fixed here so that a policy keeps its colour (by its position among the
@@ -60,6 +67,7 @@ PALETTE = (
     "#bcbd22",
     "#17becf",
 )
+CLAIRVOYANT_LABEL = "clairvoyant: every request's max_tokens is its true output length"
 FIGURE_SIZE_IN = (6.0, 4.0)
 FIGURE_DPI = 120
 
@@ -188,7 +196,25 @@ def aggregate_seeds(summaries: Sequence[Mapping[str, Any]], seeds: Sequence[int]
     out["policies"] = policies
     out["sd"] = spread
     out["per_seed"] = {str(seed): s["policies"] for seed, s in zip(seeds, summaries, strict=True)}
+    bounds = [s.get(HINDSIGHT) for s in summaries]
+    if all(isinstance(b, Mapping) for b in bounds):
+        out[HINDSIGHT] = _aggregate_hindsight(bounds, seeds)
     return out
+
+
+def _aggregate_hindsight(bounds: Sequence[Any], seeds: Sequence[int]) -> dict[str, Any]:
+    """The seeds' hindsight bounds: numbers as mean over seeds, ``sd`` the sample standard
+    deviation, ``per_seed`` each seed's entry; the LP sizes of the first seed."""
+    mean: dict[str, Any] = {}
+    sd: dict[str, Any] = {}
+    for key, value in bounds[0].items():
+        if key == "lp":
+            mean[key] = value
+            continue
+        mean[key], sd[key] = _aggregate_metric([b.get(key) for b in bounds])
+    mean["sd"] = sd
+    mean["per_seed"] = {str(seed): dict(b) for seed, b in zip(seeds, bounds, strict=True)}
+    return mean
 
 
 # ------------------------------------------------------------------------------------- tables
@@ -323,9 +349,12 @@ def _build_table(summary: Mapping[str, Any], *, compact: bool) -> _Table:
     labels = ["policy"]
     if sweep is not None:
         labels.insert(0, str(sweep.get("label") or sweep.get("parameter") or "sweep"))
+    bound = summary.get(HINDSIGHT)
+    bound = bound if isinstance(bound, Mapping) else None
     headers = [
         *labels,
         *(c.compact if compact else c.header for c in _LEADING),
+        *([("bound %" if compact else "hindsight bound (%)")] if bound is not None else []),
         *(f"{cls} %" if compact else f"attainment {cls} (%)" for cls in classes),
         *(c.compact if compact else c.header for c in _TRAILING),
         "done/req" if compact else "completed/requests",
@@ -347,8 +376,16 @@ def _build_table(summary: Mapping[str, Any], *, compact: bool) -> _Table:
         def cell(fmt: Callable[[Any], str], value: Any, dev: Any) -> str:
             return _with_sd(fmt, _at(value, point), _at(dev, point))
 
+        bound_cells = []
+        if bound is not None:  # the same for every policy at a point: what none can beat
+            given = bound.get("sd")
+            bound_sd: Mapping[str, Any] = given if isinstance(given, Mapping) else {}
+            bound_cells = [
+                cell(_percent, bound.get("slo_attainment"), bound_sd.get("slo_attainment"))
+            ]
         return [
             *(cell(c.fmt, entry.get(c.key), sd.get(c.key)) for c in _LEADING),
+            *bound_cells,
             *(cell(_percent, by_class_str.get(cls), sd_class.get(cls)) for cls in classes),
             *(cell(c.fmt, entry.get(c.key), sd.get(c.key)) for c in _TRAILING),
             MISSING if MISSING in (completed, requests) else f"{completed}/{requests}",
@@ -451,6 +488,8 @@ def render_console_table(summary: Mapping[str, Any]) -> str:
 
     table = _build_table(summary, compact=True)
     title = str(summary["scenario"])
+    if summary.get("clairvoyant_max_tokens"):
+        title += f" [{CLAIRVOYANT_LABEL}]"
     if summary.get("description"):
         title += f": {summary['description']}"
     rich_table = Table(title=Text(title), box=box.SIMPLE_HEAD, title_justify="left")
@@ -480,8 +519,12 @@ def render_console_table(summary: Mapping[str, Any]) -> str:
 def results_markdown(summary: Mapping[str, Any], plots: Sequence[str] = ()) -> str:
     """The ``results.md`` document: what ran, the table, the misses, links to the plots."""
     lines = [f"# qlm bench sim: {summary['scenario']}", ""]
+    if summary.get("clairvoyant_max_tokens"):
+        lines[0] += " (clairvoyant)"
     if summary.get("description"):
         lines += [str(summary["description"]), ""]
+    if summary.get("clairvoyant_max_tokens"):
+        lines += [f"**{CLAIRVOYANT_LABEL}**: not what a real client can send.", ""]
     if summary.get("command"):
         lines.append(f"- command: `{summary['command']}`")
     seeds = summary.get("seeds")
@@ -494,6 +537,11 @@ def results_markdown(summary: Mapping[str, Any], plots: Sequence[str] = ()) -> s
     if sweep is not None:
         label = sweep.get("label") or sweep.get("parameter")
         lines.append(f"- sweep: {label} (`{sweep.get('parameter')}`)")
+    if isinstance(summary.get(HINDSIGHT), Mapping):
+        lines.append(
+            "- hindsight bound: no scheduler, even one knowing every output length, could have "
+            "met more than this share of the requests (an LP relaxation, docs/simulator.md)"
+        )
     if isinstance(summary.get("targets"), str):
         lines.append(f"- targets: {summary['targets']}")
     scatter = summary.get("scatter")
@@ -549,6 +597,11 @@ def _series(value: Any, n: int, scale: float = 1.0) -> list[float]:
     return out
 
 
+def _plot_name(summary: Mapping[str, Any]) -> str:
+    name = str(summary["scenario"])
+    return f"{name} (clairvoyant)" if summary.get("clairvoyant_max_tokens") else name
+
+
 def _new_axes(title: str) -> tuple[Figure, Axes]:
     # The Agg canvas is attached to a bare Figure: no pyplot, so no global backend switch and
     # no figure registry to leak into; importing matplotlib here keeps importing us cheap.
@@ -588,13 +641,16 @@ def _sweep_line_plot(
     series: Mapping[str, list[float]],
     *,
     percent: bool = False,
+    bound: list[float] | None = None,
 ) -> Path:
     sweep = summary["sweep"]
     x, ticks = sweep_positions(sweep)
     colours = policy_colours(summary)
-    figure, axes = _new_axes(f"{summary['scenario']}: {title}")
+    figure, axes = _new_axes(f"{_plot_name(summary)}: {title}")
     for name, ys in series.items():
         axes.plot(x, ys, marker="o", color=colours[name], label=name)
+    if bound is not None:
+        axes.plot(x, bound, linestyle="--", color="black", label="hindsight bound")
     if ticks is not None:
         axes.set_xticks(x, labels=ticks)
     axes.set_xlabel(str(sweep.get("label") or sweep.get("parameter") or "sweep"))
@@ -606,6 +662,13 @@ def _sweep_line_plot(
     axes.grid(True, alpha=0.3)
     axes.legend(title="policy")
     return _save_figure(figure, path)
+
+
+def _bound_series(summary: Mapping[str, Any], n: int) -> list[float] | None:
+    bound = summary.get(HINDSIGHT)
+    if not isinstance(bound, Mapping):
+        return None
+    return _series(bound.get("slo_attainment"), n, 100.0)
 
 
 def _sweep_plots(summary: Mapping[str, Any], dest: Path) -> list[Path]:
@@ -623,6 +686,7 @@ def _sweep_plots(summary: Mapping[str, Any], dest: Path) -> list[Path]:
             "SLO attainment (%)",
             metric("slo_attainment", 100.0),
             percent=True,
+            bound=_bound_series(summary, n),
         ),
         _sweep_line_plot(
             dest / "throughput.png",
@@ -678,7 +742,7 @@ def _bar_plots(summary: Mapping[str, Any], dest: Path) -> list[Path]:
     groups = ["overall", *classes]
     width = 0.8 / max(1, len(policies))
 
-    figure, axes = _new_axes(f"{summary['scenario']}: SLO attainment")
+    figure, axes = _new_axes(f"{_plot_name(summary)}: SLO attainment")
     for i, (name, entry) in enumerate(policies.items()):
         by_class = {str(k): v for k, v in entry.get(BY_CLASS, {}).items()}
         heights = _series([entry.get("slo_attainment"), *(by_class.get(c) for c in classes)], 0)
@@ -692,7 +756,7 @@ def _bar_plots(summary: Mapping[str, Any], dest: Path) -> list[Path]:
     axes.legend(title="policy")
     paths = [_save_figure(figure, dest / "attainment.png")]
 
-    figure, axes = _new_axes(f"{summary['scenario']}: throughput")
+    figure, axes = _new_axes(f"{_plot_name(summary)}: throughput")
     for i, (name, entry) in enumerate(policies.items()):
         height = _series([entry.get("throughput_rps")], 1)
         axes.bar([i], height, 0.8, color=colours[name], label=name)
@@ -712,7 +776,7 @@ def _r2_text(r2: Any) -> str:
 def _scatter_plot(summary: Mapping[str, Any], dest: Path) -> Path:
     scatter = summary["scatter"]
     title = scatter.get("title") or "scatter"
-    figure, axes = _new_axes(f"{summary['scenario']}: {title} (R² = {_r2_text(scatter.get('r2'))})")
+    figure, axes = _new_axes(f"{_plot_name(summary)}: {title} (R² = {_r2_text(scatter.get('r2'))})")
     xs = _series(scatter["x"], 0)
     ys = _series(scatter["y"], 0)
     axes.scatter(xs, ys, s=6, alpha=0.5, color=PALETTE[0], label="requests")

@@ -24,6 +24,7 @@ from qlm.simulator.cluster import (
     SimResult,
     instance_profiles,
 )
+from qlm.simulator.hindsight import HindsightBound, hindsight_bound, pools_of
 from qlm.simulator.saber import SpeedFit, fit_decode_speed, fit_engine_speed, workload_lengths
 from qlm.simulator.scenario import ScenarioSpec, VariantSpec, load_profile
 from qlm.simulator.workload import SimRequest, build_requests
@@ -260,6 +261,8 @@ def run_scenario(
         "description": spec.description,
         "command": command,
         "seed": spec.seed,
+        # policies were told every request's true output length (max_tokens = output)
+        "clairvoyant_max_tokens": spec.clairvoyant_max_tokens,
         "sweep": None,
         "policies": {},
     }
@@ -268,6 +271,8 @@ def run_scenario(
     if policy_sweep is not None:
         label, points = policy_sweep
         reqs = scenario_requests(spec)
+        batch = _largest_batch([v for _, v in points], factory)
+        summary["hindsight"] = _hindsight([_bound(spec, reqs, batch)], swept=False)
         summary["sweep"] = {
             "parameter": label,
             "label": label,
@@ -291,6 +296,9 @@ def run_scenario(
         }
     # every point's requests first: a bad trace fails before any simulation ran
     workloads = {k: scenario_requests(pspec) for k, (_, pspec) in enumerate(points_spec)}
+    batch = _largest_batch(variants, factory)
+    bounds = [_bound(pspec, workloads[k], batch) for k, (_, pspec) in enumerate(points_spec)]
+    summary["hindsight"] = _hindsight(bounds, swept=swept)
     for variant in variants:
         for k, (point, pspec) in enumerate(points_spec):
             result, metrics = _one(
@@ -313,6 +321,28 @@ def run_scenario(
             "r2": r_squared(scatter_x, scatter_y),
         }
     return summary
+
+
+def _largest_batch(variants: Sequence[PolicyVariant], factory: PolicyFactory) -> int:
+    """The most sequences any column lets an engine decode at once: a column's max_num_seqs,
+    or a policy's static batch (SHEPHERD's ignores the engine cap). The hindsight bound
+    spreads each iteration's fixed time over at most this many."""
+    caps = [v.max_num_seqs or 0 for v in variants]
+    caps += [factory(v.policy, v.overrides).static_batch_size or 0 for v in variants]
+    return max(caps, default=0)
+
+
+def _bound(spec: ScenarioSpec, reqs: Sequence[SimRequest], batch: int) -> HindsightBound:
+    """At most how many requests of the point any policy could meet (qlm/simulator/hindsight.py)."""
+    return hindsight_bound(reqs, pools_of(instance_specs(spec), max_batch=batch))
+
+
+def _hindsight(bounds: Sequence[HindsightBound], *, swept: bool) -> dict[str, Any]:
+    """summary["hindsight"]: each figure a list over the sweep's points, or a scalar."""
+    entries = [b.to_dict() for b in bounds]
+    if not swept:
+        return entries[0]
+    return {key: [e[key] for e in entries] for key in entries[0]}
 
 
 def _one(

@@ -217,11 +217,31 @@ class StreamSpec(_Strict):
     tbt_slo_s: float | None = Field(default=None, gt=0)
     arrival: ArrivalSpec
     lengths: LengthSpec
-    max_tokens_slack: float = Field(default=1.0, ge=1)  # max_tokens = ceil(output * slack)
+    # the max_tokens every request of the stream asks for (a chat app's 1024, a summariser's
+    # 512): the output is cut there. None: lengths.max_output_tokens when given (outputs are
+    # cut there already, as a client's cap cuts them), else as much as the model allows
+    max_tokens: int | None = Field(default=None, ge=1)
     start_s: float = Field(default=0.0, ge=0)
     end_s: float | None = Field(default=None, gt=0)  # default: the scenario's duration
     # each arrival starts a program of dependent calls (ProgramSpec); arrivals count programs
     program: ProgramSpec | None = None
+
+    @property
+    def max_tokens_cap(self) -> int | None:
+        """The cap its requests send (None: the model's limit after the prompt)."""
+        return self.max_tokens if self.max_tokens is not None else self.lengths.max_output_tokens
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_slack(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "max_tokens_slack" in data:
+            # it set max_tokens from the true output, telling every policy the answer
+            raise _field_error(
+                "max_tokens_slack",
+                "removed: it derived max_tokens from the true output length; give the stream "
+                "a max_tokens cap, or set the scenario's clairvoyant_max_tokens: true",
+            )
+        return data
 
     @model_validator(mode="after")
     def _consistent(self) -> Self:
@@ -339,6 +359,9 @@ class ScenarioSpec(_Strict):
     sweep: SweepSpec | None = None
     # engine-setting columns of the policies above (see VariantSpec); default: one per policy
     variants: list[VariantSpec] | None = None
+    # every request's max_tokens is its true output length: policies are told the answer.
+    # Only for a labelled comparison (reports say "clairvoyant"); clients cannot do this
+    clairvoyant_max_tokens: bool = False
 
     def __init__(self, **data: Any) -> None:
         try:

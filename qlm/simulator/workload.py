@@ -41,7 +41,9 @@ class SimRequest:
     arrival_s: float  # seconds from the simulation start
     prompt_tokens: int
     output_tokens: int  # what the engine generates: the true length, unknown to policies
-    max_tokens: int  # what the producer asked for (>= output_tokens)
+    # what the producer asked for (>= output_tokens): the stream's cap or the model's limit,
+    # never the true output, except in a scenario run with clairvoyant_max_tokens
+    max_tokens: int
     slo_class: str
     e2e_slo_s: float | None
     ttft_slo_s: float | None
@@ -222,29 +224,41 @@ def fit_lengths(
     *,
     max_context: IntArray | int,
     max_output_tokens: IntArray | int,
-    slack: float = 1.0,
+    cap: int | None = None,
+    clairvoyant: bool = False,
     prompt_cap: int | None = None,
     output_cap: int | None = None,
 ) -> tuple[IntArray, IntArray, IntArray]:
     """(prompt, output, max_tokens) fitted to the caps and to the model.
 
-    Token counts are at least 1 and at most the caps; ``max_tokens = ceil(output * slack)``,
-    at most the model's ``max_output_tokens``. When prompt + max_tokens exceeds
-    ``max_context`` the prompt is cut first, to no less than ``max_context // 2``, then
-    max_tokens; ``output`` never exceeds ``max_tokens``.
+    The true lengths first: token counts are at least 1 and at most ``prompt_cap`` /
+    ``output_cap``; the output at most the model's ``max_output_tokens``; when prompt + output
+    exceeds ``max_context`` the prompt is cut first, to no less than ``max_context // 2``, then
+    the output.
+
+    Then what the client asks for, which cannot depend on the output it has not seen yet:
+    ``max_tokens`` is the stream's ``cap`` (None: as much as the model allows, what vLLM's
+    OpenAI server fills in when a client sends none), clipped to ``max_output_tokens`` and to
+    the context left after the prompt. An output longer than its ``max_tokens`` is cut there,
+    as the engine stops at ``max_tokens``. ``clairvoyant``: ``max_tokens`` is the true output
+    instead (the old, leaking behaviour, kept only as a labelled variant).
     """
     prompt = np.clip(prompt, 1, prompt_cap).astype(np.int64)
     output = np.clip(output, 1, output_cap).astype(np.int64)
     context = np.asarray(max_context, dtype=np.int64)
-    max_tokens = np.ceil(output * slack).astype(np.int64)
-    max_tokens = np.minimum(max_tokens, np.minimum(max_output_tokens, context - 1))
-    over = prompt + max_tokens > context
+    output = np.minimum(output, np.minimum(max_output_tokens, context - 1))
+    over = prompt + output > context
     if over.any():
-        cut = np.maximum(context - max_tokens, np.minimum(prompt, context // 2))
+        cut = np.maximum(context - output, np.minimum(prompt, context // 2))
         prompt = np.where(over, cut, prompt)
-        max_tokens = np.minimum(max_tokens, context - prompt)
+        output = np.minimum(output, context - prompt)
+    # what fits after the prompt: at least the (fitted) output, so no cap below 1
+    limit = np.minimum(max_output_tokens, context - prompt)
+    max_tokens = limit if cap is None else np.minimum(limit, cap)
     output = np.minimum(output, max_tokens)
-    return prompt, output, max_tokens
+    if clairvoyant:
+        max_tokens = output
+    return prompt, output, np.broadcast_to(max_tokens, output.shape).astype(np.int64)
 
 
 # --- requests --------------------------------------------------------------------------------
@@ -289,7 +303,8 @@ def _stream_requests(spec: ScenarioSpec, index: int, stream: StreamSpec) -> _Str
         output,
         max_context=context,
         max_output_tokens=output_limit,
-        slack=stream.max_tokens_slack,
+        cap=stream.max_tokens_cap,
+        clairvoyant=spec.clairvoyant_max_tokens,
         prompt_cap=stream.lengths.max_prompt_tokens,
         output_cap=stream.lengths.max_output_tokens,
     )
@@ -408,7 +423,8 @@ def _program_requests(
                     np.asarray([output]),
                     max_context=mspec.max_context,
                     max_output_tokens=mspec.max_output_tokens,
-                    slack=stream.max_tokens_slack,
+                    cap=stream.max_tokens_cap,
+                    clairvoyant=spec.clairvoyant_max_tokens,
                 )
                 rid = f"{pid}.{stage}" if chain else f"{pid}.{stage}.{call}"
                 current.append(
