@@ -155,10 +155,10 @@ PRESETS: dict[str, Preset] = {
     p.name: p
     for p in (
         Preset("wb", "overload: qlm >= fcfs + 40 points and >= edf at every load point"),
-        Preset("wb-ablation", "removing each LSO lowers attainment or throughput"),
+        Preset("wb-ablation", "removing each default LSO lowers attainment or throughput"),
         Preset("wa", "qlm throughput >= 3x fcfs and >= edf with >= 50 % tail models"),
         Preset("wa-share", "(Fig. 9) attainment vs latency-sensitive share"),
-        Preset("wa-ablation", "removing each LSO lowers attainment or throughput"),
+        Preset("wa-ablation", "removing each default LSO lowers attainment or throughput"),
         Preset("wc", "(Fig. 15) attainment with mega prompts"),
         Preset("hetero", ">= 2x attainment or throughput of round-robin at 20-50 % A10"),
         Preset("delta", "(Fig. 18) attainment vs planner overhead", _delta_sweep),

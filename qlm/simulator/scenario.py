@@ -274,7 +274,10 @@ class LSOSpec(_Strict):
     eviction: bool = True
     swap: bool = True
     warm_start: bool = True
-    slo_pull: bool = True  # the SLO-aware pull gate (qlm.admission)
+    # the SLO-aware pull gate (qlm.admission): off by default, as the live agent's
+    # `--admission none`; with clients' max_tokens caps its required speeds are far above what
+    # requests need, and it throttles the batch (docs/simulator.md, LSOs)
+    slo_pull: bool = False
 
 
 class SimOptions(_Strict):

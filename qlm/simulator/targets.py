@@ -116,7 +116,9 @@ def check_hetero(summary: Mapping[str, Any]) -> list[Check]:
 
 
 def check_ablation(summary: Mapping[str, Any]) -> list[Check]:
-    """Removing each LSO lowers attainment or throughput (against all LSOs, the first point)."""
+    """Against the default LSOs (the first point): removing one of them ("no X") lowers
+    attainment or throughput; adding one that is off by default ("+ X") raises either (when
+    it does not, the miss says why it stays off)."""
     out: list[Check] = []
     att = _series(summary, "qlm", "slo_attainment")
     thr = _series(summary, "qlm", "throughput_rps")
@@ -124,13 +126,19 @@ def check_ablation(summary: Mapping[str, Any]) -> list[Check]:
     if not att:
         return out
     for k in range(1, len(att)):
-        lower = att[k] < att[0] - 1e-9 or thr[k] < thr[0] - 1e-9
+        added = str(labels[k]).startswith("+")
+        if added:
+            ok = att[k] > att[0] + 1e-9 or thr[k] > thr[0] + 1e-9
+            what = "raises attainment or throughput"
+        else:
+            ok = att[k] < att[0] - 1e-9 or thr[k] < thr[0] - 1e-9
+            what = "lowers attainment or throughput"
         out.append(
             (
-                f"{labels[k]}: lowers attainment or throughput",
-                f"attainment {_pct(att[k])} (all: {_pct(att[0])}), "
-                f"throughput {thr[k]:.2f} (all: {thr[0]:.2f}) req/s",
-                lower,
+                f"{labels[k]}: {what}",
+                f"attainment {_pct(att[k])} (default: {_pct(att[0])}), "
+                f"throughput {thr[k]:.2f} (default: {thr[0]:.2f}) req/s",
+                ok,
             )
         )
     return out
