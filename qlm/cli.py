@@ -945,6 +945,32 @@ def bench_lengths_cmd(
         raise typer.Exit(1)
 
 
+@bench_app.command("glance")
+def bench_glance_cmd(
+    root: Annotated[
+        Path, typer.Option("--dir", help="folder of runs, one summary.json per subfolder")
+    ] = Path("docs/sim"),
+    runs: Annotated[
+        str | None, typer.Option(help="comma-separated run folders (default: every one)")
+    ] = None,
+    write: Annotated[
+        Path | None,
+        typer.Option(
+            help="replace the table between the page's glance markers (docs/benchmarks.md)"
+        ),
+    ] = None,
+) -> None:
+    """Results at a glance: one row per run of `qlm bench sim` - qlm against the strongest
+    baseline where it fares worst, the hindsight bound, the target, met or missed."""
+    from qlm.simulator.glance import glance_markdown, glance_rows, load_summaries, write_into
+
+    summaries = load_summaries(root, runs.split(",") if runs else None)
+    table = glance_markdown(glance_rows(summaries))
+    typer.echo(table)
+    if write is not None:
+        write_into(write, table)
+
+
 @bench_app.command("planner")
 def bench_planner(
     queued: Annotated[int | None, typer.Option(help="one queue size (default 1k,10k,100k)")] = None,

@@ -1,0 +1,65 @@
+"""Results at a glance (qlm/simulator/glance.py): the deciding point, the target, the page."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from qlm.simulator.glance import BEGIN, END, glance_markdown, glance_row, write_into
+
+
+def summary(qlm: list[float], edf: list[float], fcfs: list[float], **extra: object) -> dict:
+    return {
+        "scenario": "s",
+        "seeds": [0, 1, 2],
+        "sweep": {"values": [1, 2], "variants": ["4", "8"]},
+        "policies": {
+            "qlm": {"slo_attainment": qlm},
+            "edf": {"slo_attainment": edf},
+            "fcfs": {"slo_attainment": fcfs},
+        },
+        "hindsight": {"slo_attainment": [1.0, 0.9]},
+        **extra,
+    }
+
+
+def test_the_row_is_decided_where_qlm_fares_worst_against_the_strongest_baseline() -> None:
+    row = glance_row(summary([0.9, 0.6], [0.85, 0.65], [0.95, 0.5]))
+    # at "4" qlm trails fcfs by 5, at "8" edf by 5: the first worst margin wins the tie
+    assert (row.point, row.baseline) == ("4", "fcfs")
+    assert row.qlm == pytest.approx(90.0) and row.baseline_value == pytest.approx(95.0)
+    assert row.bound == pytest.approx(100.0) and row.seeds == 3
+    assert not row.met and "trails fcfs by 5.0" in row.why
+
+
+def test_a_point_within_the_slack_is_met_unless_its_own_checks_miss() -> None:
+    close = summary([0.9, 0.7], [0.905, 0.6], [0.5, 0.4])
+    assert glance_row(close).met
+    checks = [{"target": "x", "measured": "y", "met": False}]
+    row = glance_row({**close, "checks": checks})
+    assert not row.met and "missed its check 'x'" in row.why
+
+
+def test_runs_without_baselines_are_judged_by_their_own_checks() -> None:
+    ablation = {"scenario": "a", "policies": {"qlm": {"slo_attainment": 0.5}}, "checks": []}
+    row = glance_row(ablation)
+    assert row.met and row.baseline is None and row.target == "its own checks"
+
+
+def test_the_table_replaces_only_the_marked_block(tmp_path: Path) -> None:
+    page = tmp_path / "b.md"
+    page.write_text(f"# title\n{BEGIN}\nold\n{END}\nrest\n")
+    table = glance_markdown([glance_row(summary([0.9, 0.6], [0.8, 0.5], [0.7, 0.4]))])
+    write_into(page, table)
+    text = page.read_text()
+    assert text.startswith("# title\n") and text.endswith(f"{END}\nrest\n")
+    assert "old" not in text and "| s | 3 |" in text
+    with pytest.raises(ValueError, match="no"):
+        write_into(_unmarked(tmp_path), table)
+
+
+def _unmarked(tmp_path: Path) -> Path:
+    page = tmp_path / "plain.md"
+    page.write_text("nothing here\n")
+    return page
