@@ -21,8 +21,8 @@ import structlog
 from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractRobustConnection
 from pydantic import ValidationError
 
-from agents.engine import EngineBackend, EngineOutput, EngineRequest
 from qlm.admission import PullAdmission, SLOAdmissionGate, required_speed
+from qlm.agents.engine import EngineBackend, EngineOutput, EngineRequest
 from qlm.amqp import connect
 from qlm.control import (
     Completion,

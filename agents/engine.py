@@ -1,7 +1,7 @@
 """The engine backend interface: what an agent needs from an inference engine.
 
-Two implementations: ``agents.sim`` (a real-time continuous-batching emulator driven by
-:mod:`qlm.engine_model`) and ``agents.vllm`` (an in-process vLLM ``AsyncLLM``). The agent only
+Two implementations: ``qlm.agents.sim`` (a real-time continuous-batching emulator driven by
+:mod:`qlm.engine_model`) and ``qlm.agents.vllm`` (an in-process vLLM ``AsyncLLM``). The agent only
 talks to this interface, so everything above it is tested on the sim backend.
 """
 

@@ -33,8 +33,8 @@ from typing import Any
 import structlog
 from scipy.optimize import OptimizeWarning
 
-from agents.engine import EngineBackend, EngineOutput, EngineRequest, ModelState
 from qlm.admission import USLSpeedModel, fit_usl
+from qlm.agents.engine import EngineBackend, EngineOutput, EngineRequest, ModelState
 from qlm.catalog import GPUS, GPUSpec, ModelSpec, resolve_model
 from qlm.engine_model import EngineProfile, profile_to_dict
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from agents.engine import (
+from qlm.agents.engine import (
     EngineBackend,
     EngineCapabilities,
     EngineOutput,

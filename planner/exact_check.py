@@ -2,7 +2,7 @@
 
 The issue's bar: on cases small enough to solve exactly (≤ 20 groups), the planner's plan
 predicts at most 2 % fewer requests meeting their SLO than a 120 s exact MILP
-(:func:`planner.milp.solve_exact`). A benchmark, not a test (``tests/test_planner.py`` holds a
+(:func:`qlm.planner.milp.solve_exact`). A benchmark, not a test (``tests/test_planner.py`` holds a
 small, fast version of the same comparison).
 
 **Problems** (:func:`synthetic_problem`, seeded). ``n_groups`` request groups of two models
@@ -17,10 +17,10 @@ over ``n_queues`` instances:
 * tight SLOs: each group's deadline is ``U(0.2, 1.0) × (total occupancy at reference speed /
   n_queues)`` from now, so some groups must miss and the order matters.
 
-**Pipeline** ("ours"): what :meth:`planner.stochastic.QLMPolicy.plan` runs on its group
-problem — :func:`planner.milp.greedy_assign`, then ``QLMPolicy.improve_groups`` (iterated local
+**Pipeline** ("ours"): what :meth:`qlm.planner.stochastic.QLMPolicy.plan` runs on its group
+problem — :func:`qlm.planner.milp.greedy_assign`, then ``QLMPolicy.improve_groups`` (iterated local
 search, then the rolling-horizon head MILP) under the policy's own time budget
-(``QLMConfig.time_budget_s``). Both plans are scored by :func:`planner.milp.evaluate_queues`:
+(``QLMConfig.time_budget_s``). Both plans are scored by :func:`qlm.planner.milp.evaluate_queues`:
 ``met`` is the predicted number of requests meeting their SLO (the gap is measured on it),
 ``score`` adds the tardiness and switch tie-breakers both solvers optimise.
 """
@@ -37,8 +37,8 @@ from typing import Any
 import numpy as np
 import structlog
 
-from planner.milp import GroupProblem, evaluate_queues, greedy_assign, solve_exact
-from planner.stochastic import QLMPolicy
+from qlm.planner.milp import GroupProblem, evaluate_queues, greedy_assign, solve_exact
+from qlm.planner.stochastic import QLMPolicy
 
 log = structlog.get_logger(__name__)
 

@@ -48,7 +48,7 @@ from typing import Any
 import numpy as np
 import structlog
 
-from planner.evaluate import profile_for
+from qlm.planner.evaluate import profile_for
 from qlm.policy import Plan, PlanInstance, PlanRequest, QueuePolicy
 
 log = structlog.get_logger(__name__)

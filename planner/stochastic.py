@@ -6,7 +6,7 @@ One replan (``plan``):
    (:class:`qlm.estimator.OutputLengthModel`), and price it on every instance that serves its
    model with the hardware profile of that (GPU, model) (:mod:`qlm.estimator`);
 2. group requests (:func:`qlm.grouping.build_groups`, Algorithm 1);
-3. build the group problem (:class:`planner.milp.GroupProblem`) with the Δ-quantile
+3. build the group problem (:class:`qlm.planner.milp.GroupProblem`) with the Δ-quantile
    deterministic equivalents and solve it *by structure*: a greedy incumbent (EDF over groups,
    model affinity, swap costs, hopeless groups deferred), best-improvement local search, then a
    rolling horizon — the head of each queue re-ordered exactly by a small MILP (cvxpy/HiGHS) —
@@ -37,8 +37,10 @@ import numpy as np
 import structlog
 from scipy.stats import norm
 
-from planner.baselines import EDFPolicy
-from planner.milp import (
+from qlm.estimator import HardwareProfile, OutputLengthModel, RCTEstimator
+from qlm.grouping import GroupIndex, GroupingConfig, build_groups, request_features
+from qlm.planner.baselines import EDFPolicy
+from qlm.planner.milp import (
     GroupProblem,
     WorkClock,
     evaluate_queues,
@@ -48,8 +50,6 @@ from planner.milp import (
     queue_times,
     solve_slots,
 )
-from qlm.estimator import HardwareProfile, OutputLengthModel, RCTEstimator
-from qlm.grouping import GroupIndex, GroupingConfig, build_groups, request_features
 from qlm.policy import (
     CompletionObservation,
     InstanceLSO,
@@ -654,7 +654,7 @@ class QLMPolicy(QueuePolicy):
     def _edf_queues(
         self, priced: _Priced, live: list[PlanInstance], servable: np.ndarray
     ) -> list[np.ndarray]:
-        """The EDF baseline's plan (:class:`planner.baselines.EDFPolicy`, exactly), as index
+        """The EDF baseline's plan (:class:`qlm.planner.baselines.EDFPolicy`, exactly), as index
         arrays: the plan this policy must never be predicted worse than."""
         plan = EDFPolicy().plan([priced.reqs[i] for i in np.flatnonzero(servable)], live, 0.0)
         index = {r.request_id: k for k, r in enumerate(priced.reqs)}

@@ -148,7 +148,7 @@ class PullAdmission(Generic[R]):
     the dispatched requests held back until the gate admits them (in dispatch order, which is
     the virtual queue's), those that can no longer meet their deadline (best effort, served
     only when nothing else is held) and the frozen required speed of each request in the
-    engine. The live agent (:mod:`agents.agent`) and the simulator's agents both keep one per
+    engine. The live agent (:mod:`qlm.agents.agent`) and the simulator's agents both keep one per
     engine, so the pull and admission rules exist once.
 
     ``need(r, now)`` is r's required speed (:func:`required_speed` of what it has left);

@@ -163,9 +163,9 @@ def _live_autoscaler(s: Settings, coord: Any) -> Any:
     command is a startup error, not a crash later."""
     if s.autoscale_policy is None:
         return None
-    from planner.autoscale_loop import LiveCapacityLoop, load_capacity_spec
-    from planner.capacity import create_capacity_policy
     from qlm.autoscale import create_driver
+    from qlm.planner.autoscale_loop import LiveCapacityLoop, load_capacity_spec
+    from qlm.planner.capacity import create_capacity_policy
 
     if s.capacity_spec is None:
         raise typer.BadParameter(
@@ -190,7 +190,7 @@ def _live_autoscaler(s: Settings, coord: Any) -> Any:
 def _live_policy(name: str, s: Settings) -> Any:
     """The coordinator's ordering policy from the one factory: wall-clock budgets and the
     planner's objective from QLM_PLANNER_OBJECTIVE; an unknown name is a usage error."""
-    from planner import create_policy
+    from qlm.planner import create_policy
 
     try:
         return create_policy(name, budget_clock="wall", objective=s.planner_objective)
@@ -301,7 +301,7 @@ def _make_engines(
     if gpus < 1 or not models:
         raise typer.BadParameter("--gpus must be >= 1 and --models must name a model")
     if backend == "sim":
-        from agents.sim import SimEngine
+        from qlm.agents.sim import SimEngine
 
         try:
             return [
@@ -311,7 +311,7 @@ def _make_engines(
         except (KeyError, ValueError) as exc:
             raise typer.BadParameter(str(exc)) from exc
     if backend == "vllm":
-        from agents.vllm import VllmEngine, VllmSettings, vllm_available
+        from qlm.agents.vllm import VllmEngine, VllmSettings, vllm_available
 
         problem = vllm_available()
         if problem is not None:
@@ -350,7 +350,7 @@ async def _run_agent(
     gate: Any,
     cpu_memory_gb: float | None,
 ) -> None:
-    from agents.agent import Agent
+    from qlm.agents.agent import Agent
     from qlm.catalog import gpu
 
     try:
@@ -517,7 +517,7 @@ def _profile_sizes(
                 f"--max-concurrency {max_concurrency}: must be >= 3 (the USL fit needs three "
                 "concurrency levels)"
             )
-        from agents.profiler import concurrency_levels
+        from qlm.agents.profiler import concurrency_levels
 
         levels = concurrency_levels(max_concurrency)
     if not levels or min(levels) < 1 or len(set(levels)) < 3:
@@ -554,7 +554,7 @@ async def _profile(
     store_url: str | None,
     timeout_s: float,
 ) -> dict[str, Any]:
-    from agents.profiler import PROFILE_SOURCE, ProfilingError, profile_engine
+    from qlm.agents.profiler import PROFILE_SOURCE, ProfilingError, profile_engine
 
     # open the store first: a bad URL is reported before the engine runs, not after
     store = await _open_profile_store(store_url) if store_url is not None else None
@@ -711,7 +711,7 @@ def submit(
     """Publish requests (replaying arrival times for traces), wait for every reply, report."""
     s = _settings()
     _setup_logging(s, "submit")
-    from qlm.demo import build_workload, run_replay
+    from qlm.tooling.demo import build_workload, run_replay
 
     timed = build_workload(
         source,
@@ -746,14 +746,14 @@ def demo(
 ) -> None:
     """Local broker + coordinator + agents (simulated A100s, or real vLLM) + a real Azure
     trace slice; prints the results table."""
-    from qlm.demo import run_demo
+    from qlm.tooling.demo import run_demo
 
     s = _settings()
     _setup_logging(s, "demo")
     model_dir: Path | None = None
     if backend == "vllm":
-        from agents.tiny_model import make_tiny_model
-        from agents.vllm import vllm_available
+        from qlm.agents.tiny_model import make_tiny_model
+        from qlm.agents.vllm import vllm_available
 
         problem = vllm_available()
         if problem is not None:
@@ -847,7 +847,7 @@ def bench_ingest(
     json_out: Annotated[Path | None, typer.Option("--json")] = None,
 ) -> None:
     """Coordinator ingest rate (requests/s) and added dispatch latency (delivery→engine start)."""
-    from qlm.bench import run_ingest_bench
+    from qlm.tooling.bench import run_ingest_bench
 
     s = _settings()
     _setup_logging(s, "bench")
@@ -878,7 +878,7 @@ def bench_gateway(
     json_out: Annotated[Path | None, typer.Option("--json")] = None,
 ) -> None:
     """Latency the OpenAI gateway adds over publishing with qlm.client (target: <= 5 ms p50)."""
-    from qlm.bench_gateway import run_gateway_bench
+    from qlm.tooling.bench_gateway import run_gateway_bench
 
     s = _settings()
     _setup_logging(s, "bench")
@@ -912,7 +912,7 @@ def bench_capacity_ilp_cmd(
 ) -> None:
     """Solve time of the capacity ILP (SageServe; docs/capacity.md): target <= 2 s for 4
     models x 3 pools x 2 GPU types. Exit status 1 when the target is missed."""
-    from qlm.bench_capacity import bench_capacity_ilp
+    from qlm.tooling.bench_capacity import bench_capacity_ilp
 
     result = bench_capacity_ilp(
         models=models, pools=pools, gpu_types=gpu_types, solves=solves, epsilon=epsilon
@@ -935,7 +935,7 @@ def bench_lengths_cmd(
     trace data, the quantile forest vs the per-group normal fit (docs/length-bound.md).
     Exit status 1 when a target (within ±3 points of q, and closer than the normal fit) is
     missed."""
-    from qlm.bench_lengths import bench_lengths, lengths_markdown
+    from qlm.tooling.bench_lengths import bench_lengths, lengths_markdown
 
     result = bench_lengths(limit=limit)
     typer.echo(lengths_markdown(result))
@@ -962,7 +962,12 @@ def bench_glance_cmd(
 ) -> None:
     """Results at a glance: one row per run of `qlm bench sim` - qlm against the strongest
     baseline where it fares worst, the hindsight bound, the target, met or missed."""
-    from qlm.simulator.glance import glance_markdown, glance_rows, load_summaries, write_into
+    from qlm.tooling.simulator.glance import (
+        glance_markdown,
+        glance_rows,
+        load_summaries,
+        write_into,
+    )
 
     summaries = load_summaries(root, runs.split(",") if runs else None)
     table = glance_markdown(glance_rows(summaries))
@@ -987,7 +992,7 @@ def bench_planner(
     json_out: Annotated[Path | None, typer.Option("--json")] = None,
 ) -> None:
     """Replan latency p50/p95, predicted SLO attainment and peak RSS of each policy."""
-    from qlm.bench_planner import run_bench
+    from qlm.tooling.bench_planner import run_bench
 
     try:
         run_bench(
@@ -1015,7 +1020,7 @@ def bench_planner_exact(
     json_out: Annotated[Path | None, typer.Option("--json")] = None,
 ) -> None:
     """The planner's group plan vs the exact MILP on small (<= 20 groups) problems."""
-    from planner.exact_check import DEFAULT_CASES, parse_cases, run_exact_check
+    from qlm.planner.exact_check import DEFAULT_CASES, parse_cases, run_exact_check
 
     try:
         selected = parse_cases(cases) if cases else list(DEFAULT_CASES)
@@ -1076,13 +1081,13 @@ def bench_sim(
     evictions, p99 latency (docs/simulator.md). The `capacity` scenario compares capacity
     policies instead (reactive, cato, lt-i, lt-u, lt-ua) on a simulated day: instance-hours,
     scaling waste, p95 latency, SLO attainment (docs/capacity.md)."""
-    from qlm.bench_sim import dump, resolve, run_sim_bench
-    from qlm.simulator.presets import PRESETS
+    from qlm.tooling.bench_sim import dump, resolve, run_sim_bench
+    from qlm.tooling.simulator.presets import PRESETS
 
     if list_:
         for name, named in PRESETS.items():
             typer.echo(f"{name:12} {named.spec().description}")
-        from qlm.simulator.capacity_sim import capacity_preset
+        from qlm.tooling.simulator.capacity_sim import capacity_preset
 
         typer.echo(f"{'capacity':12} {capacity_preset().description}")
         return
@@ -1098,7 +1103,7 @@ def bench_sim(
     if dump_:
         typer.echo(dump(spec))
         return
-    from planner import simulation_policy
+    from qlm.planner import simulation_policy
 
     names = [p.strip() for p in policies.split(",") if p.strip()] if policies else None
     try:
@@ -1117,7 +1122,7 @@ def bench_sim(
 
     # the table goes to stdout; per-run log lines only when asked for (QLM_LOG_LEVEL)
     configure_logging(os.environ.get("QLM_LOG_LEVEL", "warning"), _settings().log_format, "bench")
-    from qlm.simulator.scenario import ScenarioError
+    from qlm.tooling.simulator.scenario import ScenarioError
 
     try:
         run_sim_bench(
@@ -1144,10 +1149,10 @@ def _bench_capacity_sim(
     json_out: Path | None,
     out: Path | None,
 ) -> None:
-    from planner import create_policy
     from qlm.logging import configure_logging
-    from qlm.simulator.capacity_report import capacity_table, write_capacity_outputs
-    from qlm.simulator.capacity_sim import (
+    from qlm.planner import create_policy
+    from qlm.tooling.simulator.capacity_report import capacity_table, write_capacity_outputs
+    from qlm.tooling.simulator.capacity_sim import (
         CAPACITY_POLICY_NAMES,
         capacity_preset,
         run_capacity_scenario,
@@ -1204,11 +1209,11 @@ def chaos(
     coordinator killed; the broker restarted; a 3-node cluster's quorum leader killed) and
     print lost / duplicated replies and recovery times (docs/reliability.md). Exit status 1
     when a scenario misses its target."""
-    from qlm.chaos import ChaosSettings, format_table, run_chaos, select, write_json
-    from qlm.localbroker import qlm_home
+    from qlm.tooling.chaos import ChaosSettings, format_table, run_chaos, select, write_json
+    from qlm.tooling.localbroker import qlm_home
 
     if list_:
-        from qlm.chaos import SCENARIOS
+        from qlm.tooling.chaos import SCENARIOS
 
         for sc in SCENARIOS.values():
             typer.echo(f"{sc.name:20} {'long ' if sc.long else 'quick'}  {sc.about}")

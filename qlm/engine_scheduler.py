@@ -1,8 +1,8 @@
 """The one engine scheduler: the step rules of a vLLM V1-like continuous-batching engine.
 
 Both engines that emulate vLLM use this class and nothing else to decide what runs: the
-``sim`` agent backend (:mod:`agents.sim`, real time: it sleeps through every iteration) and
-the cluster simulator's instance (:mod:`qlm.simulator.instance`, simulated time: it jumps
+``sim`` agent backend (:mod:`qlm.agents.sim`, real time: it sleeps through every iteration) and
+the cluster simulator's instance (:mod:`qlm.tooling.simulator.instance`, simulated time: it jumps
 over whole decode runs). Each caller owns its clock, its I/O and its timings' bookkeeping;
 :class:`EngineScheduler` owns the waiting queue, the running batch, the KV accounting and
 every decision about them. The costs of what it decides come from :mod:`qlm.engine_model`

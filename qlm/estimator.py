@@ -50,7 +50,7 @@ PRIOR_TABLES = ("sharegpt", "arxiv", "azure-conv", "azure-code", "max_tokens")
 def engine_profile(gpu_type: str, model: str) -> EngineProfile:
     """The engine profile of ``model`` on ``gpu_type``. Names the catalog does not know (unit
     tests use made-up ones) are timed as ``FALLBACK_MODEL`` on ``FALLBACK_GPU`` — the same rule
-    as :mod:`planner.evaluate`, so the two never disagree on what an unknown name costs."""
+    as :mod:`qlm.planner.evaluate`, so the two never disagree on what an unknown name costs."""
     for g, m in ((gpu_type, model), (gpu_type, FALLBACK_MODEL), (FALLBACK_GPU, FALLBACK_MODEL)):
         try:
             return get_profile(g, m)

@@ -3,7 +3,7 @@
 ``QLM_AMQP_URL`` / ``QLM_POSTGRES_URL`` select external servers; otherwise the private local
 ones are started on first use and stopped at the end of the session (unless they were already
 running before it). Per-test isolation: ``isolated_amqp_url`` (own vhost) and
-``isolated_postgres_url`` (own database). The helpers live in :mod:`qlm.localbroker`.
+``isolated_postgres_url`` (own database). The helpers live in :mod:`qlm.tooling.localbroker`.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from qlm import localbroker
+from qlm.tooling import localbroker
 
 
 @pytest.fixture(scope="session")

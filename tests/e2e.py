@@ -9,8 +9,8 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-from qlm.demo import LocalCluster
 from qlm.store import Store
+from qlm.tooling.demo import LocalCluster
 
 
 @contextlib.asynccontextmanager

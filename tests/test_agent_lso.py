@@ -10,15 +10,15 @@ import time
 
 import pytest
 
-from agents.agent import Agent
-from agents.engine import EngineOutput, EngineRequest
-from agents.sim import SimEngine
-from planner import create_policy
 from qlm.admission import SLOAdmissionGate
+from qlm.agents.agent import Agent
+from qlm.agents.engine import EngineOutput, EngineRequest
+from qlm.agents.sim import SimEngine
 from qlm.client import QlmClient
 from qlm.control import Dispatch
 from qlm.coordinator.core import EvictOrder, ModelStateOrder, TrackState
 from qlm.coordinator.service import Coordinator
+from qlm.planner import create_policy
 from qlm.store import Store
 from qlm.types import SLO, RequestMessage, ResultMessage
 

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from planner.autoscale_loop import load_capacity_spec
-from planner.capacity import PoolKey
 from qlm.client import QlmClient
+from qlm.planner.autoscale_loop import load_capacity_spec
+from qlm.planner.capacity import PoolKey
 from qlm.types import SLO, RequestMessage
 from tests.e2e import running_cluster
 

@@ -5,16 +5,16 @@ from __future__ import annotations
 
 import pytest
 
-from planner import create_policy
-from planner.balancing import RandomPolicy, RoundRobinPolicy
-from planner.evaluate import (
+from qlm.planner import create_policy
+from qlm.planner.balancing import RandomPolicy, RoundRobinPolicy
+from qlm.planner.evaluate import (
     predicted_attainment,
     profile_for,
     queue_completions,
     service_rates,
     switch_cost_s,
 )
-from planner.shepherd import SHEPHERDPolicy, _Batch, static_batch_time
+from qlm.planner.shepherd import SHEPHERDPolicy, _Batch, static_batch_time
 from qlm.policy import Plan, PlanInstance, PlanRequest
 from tests.builders import make_instance, make_plan_request
 

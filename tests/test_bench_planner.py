@@ -8,15 +8,15 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from planner import POLICIES
-from qlm.bench_planner import (
+from qlm.cli import app
+from qlm.planner import POLICIES
+from qlm.tooling.bench_planner import (
     build_instances,
     build_queue,
     run_cases,
     select_cases,
     service_estimate_s,
 )
-from qlm.cli import app
 
 CASE_KEYS = {
     "queued",

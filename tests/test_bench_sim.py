@@ -11,7 +11,7 @@ import yaml
 from typer.testing import CliRunner
 
 from qlm.cli import app
-from qlm.simulator.presets import PRESETS
+from qlm.tooling.simulator.presets import PRESETS
 
 runner = CliRunner()
 
@@ -160,7 +160,7 @@ def test_every_preset_is_listed_and_dumps_to_a_loadable_file(tmp_path):
     assert dumped.exit_code == 0
     path = tmp_path / "hetero.yaml"
     path.write_text(dumped.output)
-    from qlm.simulator.scenario import load_scenario
+    from qlm.tooling.simulator.scenario import load_scenario
 
     assert load_scenario(path) == PRESETS["hetero"].spec()
 

@@ -12,7 +12,8 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from planner.capacity import (
+from qlm.forecast import TokenForecast
+from qlm.planner.capacity import (
     CAPACITY_POLICIES,
     CapacityObservation,
     CapacitySpec,
@@ -27,8 +28,7 @@ from planner.capacity import (
     scale_up_from_plan,
     solve_capacity_ilp,
 )
-from qlm.bench_capacity import bench_capacity_ilp
-from qlm.forecast import TokenForecast
+from qlm.tooling.bench_capacity import bench_capacity_ilp
 
 M, P = "m", "p"
 K = PoolKey(M, P)

@@ -11,20 +11,20 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from planner import create_policy
-from planner.capacity import Cell, PoolKey
 from qlm.cli import app
 from qlm.forecast import trailing_mean
-from qlm.simulator.autoscaling import InstanceTemplate, SimulatorDriver, parse_cell
-from qlm.simulator.capacity_sim import (
+from qlm.planner import create_policy
+from qlm.planner.capacity import Cell, PoolKey
+from qlm.tooling.simulator.autoscaling import InstanceTemplate, SimulatorDriver, parse_cell
+from qlm.tooling.simulator.capacity_sim import (
     CapacityLoop,
     capacity_preset,
     profile_instance_rps,
     run_capacity_scenario,
 )
-from qlm.simulator.cluster import ClusterSimulator, InstanceSpec, SimConfig
-from qlm.simulator.diurnal import DiurnalLoad, diurnal_requests, history_tpm
-from qlm.simulator.workload import SimRequest
+from qlm.tooling.simulator.cluster import ClusterSimulator, InstanceSpec, SimConfig
+from qlm.tooling.simulator.diurnal import DiurnalLoad, diurnal_requests, history_tpm
+from qlm.tooling.simulator.workload import SimRequest
 
 A100 = "A100-80GB"
 MODEL = "llama-2-70b"
@@ -239,7 +239,7 @@ def test_the_loop_scales_out_under_a_load_one_instance_cannot_carry() -> None:
 
 
 def test_the_loop_forecasts_each_hour_for_the_lt_policies() -> None:
-    from planner.capacity import CapacitySpec, InstanceProfile, create_capacity_policy
+    from qlm.planner.capacity import CapacitySpec, InstanceProfile, create_capacity_policy
 
     cell = Cell("llama-2-70b", A100, "p")
     spec = CapacitySpec(

@@ -12,10 +12,10 @@ from typing import Any
 
 import pytest
 
-from planner import create_policy
 from qlm.chains import PROMOTED_PRIORITY, call_deadlines, is_last_step
 from qlm.client import QlmClient
 from qlm.coordinator.core import CoordinatorCore
+from qlm.planner import create_policy
 from qlm.types import SLO, ErrorMessage, RequestMessage, ResultMessage, TaskInfo
 from tests.builders import heartbeat
 from tests.e2e import running_cluster

@@ -19,10 +19,10 @@ import aio_pika
 import pytest
 
 from qlm import amqp as qlm_amqp
-from qlm.chaos import SCENARIOS, ChaosSettings, ScenarioResult, run_chaos, select
-from qlm.chaos.nodes import RabbitNode
-from qlm.chaos.scenarios import _declared_lost_at
-from qlm.chaos.workload import recovery_time
+from qlm.tooling.chaos import SCENARIOS, ChaosSettings, ScenarioResult, run_chaos, select
+from qlm.tooling.chaos.nodes import RabbitNode
+from qlm.tooling.chaos.scenarios import _declared_lost_at
+from qlm.tooling.chaos.workload import recovery_time
 
 # ---------------------------------------------------------------------------- pure parts
 

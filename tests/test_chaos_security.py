@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from qlm.chaos import ChaosSettings, run_chaos, select
-from qlm.chaos.security import hostile_messages
+from qlm.tooling.chaos import ChaosSettings, run_chaos, select
+from qlm.tooling.chaos.security import hostile_messages
 
 
 def test_the_hostile_set_covers_every_property_and_parser_bomb() -> None:

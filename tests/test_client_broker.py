@@ -16,7 +16,7 @@ import pytest
 from aio_pika.abc import AbstractChannel, AbstractIncomingMessage
 
 from qlm.client import QlmClient, replay
-from qlm.report import Report
+from qlm.tooling.report import Report
 from qlm.topology import shard_queue
 from qlm.types import (
     SLO,

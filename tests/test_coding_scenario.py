@@ -8,10 +8,10 @@ from typing import Any
 
 import pytest
 
-from planner import POLICIES, PowerOfTwoPolicy, create_policy
-from planner.stochastic import QLMPolicy
+from qlm.planner import POLICIES, PowerOfTwoPolicy, create_policy
+from qlm.planner.stochastic import QLMPolicy
 from qlm.policy import QueuePolicy
-from qlm.simulator.presets import (
+from qlm.tooling.simulator.presets import (
     CODING_CALIBRATION_RPS,
     CODING_RATES,
     CODING_TASKS,
@@ -19,9 +19,9 @@ from qlm.simulator.presets import (
     coding,
     coding_calibration,
 )
-from qlm.simulator.runner import PolicyVariant, run_scenario
-from qlm.simulator.scenario import ScenarioSpec
-from qlm.simulator.targets import evaluate
+from qlm.tooling.simulator.runner import PolicyVariant, run_scenario
+from qlm.tooling.simulator.scenario import ScenarioSpec
+from qlm.tooling.simulator.targets import evaluate
 from tests.builders import make_instance, make_plan_request
 
 TASK_KINDS = {

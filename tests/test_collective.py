@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 
-from planner import create_policy
 from qlm.client import QlmClient
 from qlm.collective import (
     PROGRAM_GRACE_S,
@@ -18,6 +17,7 @@ from qlm.collective import (
     StageGraphLibrary,
 )
 from qlm.coordinator.core import CoordinatorCore
+from qlm.planner import create_policy
 from qlm.types import SLO, ErrorCode, ErrorMessage, RequestMessage, ResultMessage, StageInfo
 from tests.builders import heartbeat
 from tests.e2e import running_cluster

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from planner import create_policy
 from qlm.control import Evicted, Heartbeat
 from qlm.coordinator.core import MAX_EXTRA_REPLY_TARGETS, BatchTier, CoordinatorCore, TrackState
+from qlm.planner import create_policy
 from qlm.policy import InstanceLSO, Plan
 from tests.builders import heartbeat, make_request
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from planner import create_policy
-from planner.edf_shed import EDFShedConfig, EDFShedPolicy
+from qlm.planner import create_policy
+from qlm.planner.edf_shed import EDFShedConfig, EDFShedPolicy
 from qlm.policy import CompletionObservation, PlanInstance, PlanRequest
 from tests.builders import make_instance, make_plan_request
 

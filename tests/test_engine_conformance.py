@@ -1,4 +1,4 @@
-"""Conformance suite: every engine backend behind ``agents.engine.EngineBackend`` must pass it.
+"""Conformance suite: every engine backend behind ``qlm.agents.engine.EngineBackend`` must pass it.
 
 What the suite holds every backend to (the contract the agent relies on):
 
@@ -34,22 +34,22 @@ from typing import Any
 
 import pytest
 
-from agents.engine import EngineBackend, EngineOutput, EngineRequest
-from agents.sim import SimEngine
+from qlm.agents.engine import EngineBackend, EngineOutput, EngineRequest
+from qlm.agents.sim import SimEngine
 from qlm.engine_model import EngineProfile, get_profile
 from qlm.engine_scheduler import EngineScheduler, Step
 from qlm.policy import PlanRequest
-from qlm.simulator.instance import SimInstance, SimJob
-from qlm.simulator.workload import SimRequest
+from qlm.tooling.simulator.instance import SimInstance, SimJob
+from qlm.tooling.simulator.workload import SimRequest
 
 MODEL = "tiny-llama"
 
 
 def _vllm_problem() -> str | None:
     try:
-        from agents.vllm import vllm_available
+        from qlm.agents.vllm import vllm_available
     except Exception as exc:  # an incomplete vllm install
-        return f"agents.vllm does not import: {exc!r}"
+        return f"qlm.agents.vllm does not import: {exc!r}"
     return vllm_available()
 
 
@@ -59,8 +59,8 @@ def _sim_engine(_: Path) -> EngineBackend:
 
 
 def _vllm_engine(tmp: Path) -> EngineBackend:
-    from agents.tiny_model import make_tiny_model
-    from agents.vllm import VllmEngine, VllmSettings
+    from qlm.agents.tiny_model import make_tiny_model
+    from qlm.agents.vllm import VllmEngine, VllmSettings
 
     model_dir = make_tiny_model(os.environ.get("QLM_TINY_MODEL_DIR") or tmp / "tiny-llama")
     return VllmEngine(

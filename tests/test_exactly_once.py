@@ -17,11 +17,11 @@ from typing import Any
 import pytest
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from agents.agent import Agent
-from agents.sim import SimEngine
-from planner import create_policy
+from qlm.agents.agent import Agent
+from qlm.agents.sim import SimEngine
 from qlm.client import QlmClient
 from qlm.coordinator.service import Coordinator
+from qlm.planner import create_policy
 from qlm.store import AnswerLogUnavailable, Store, StoredAnswer, answers
 from qlm.types import SLO, RequestMessage, ResultMessage
 

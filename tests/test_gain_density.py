@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from planner import create_policy
-from planner.gain_density import GainDensityPolicy
+from qlm.planner import create_policy
+from qlm.planner.gain_density import GainDensityPolicy
 from qlm.policy import CompletionObservation, PlanInstance, PlanRequest
 
 
@@ -89,8 +89,8 @@ def test_registered_and_validated() -> None:
 
 
 def test_the_mixed_scenario_checks_tempos_targets_against_fcfs() -> None:
-    from qlm.simulator.presets import PRESETS
-    from qlm.simulator.targets import check_mixed
+    from qlm.tooling.simulator.presets import PRESETS
+    from qlm.tooling.simulator.targets import check_mixed
 
     spec = PRESETS["mixed"].spec()
     assert {s.slo_class for s in spec.streams} == {"streaming", "throughput", "collective"}

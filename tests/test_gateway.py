@@ -23,10 +23,8 @@ import typer
 from openai import AsyncOpenAI
 from typer.testing import CliRunner
 
-from qlm import localbroker
 from qlm.admin import serve_admin
 from qlm.catalog import ModelCatalog
-from qlm.demo import LocalCluster
 from qlm.gateway.app import (
     ApiKeys,
     GatewayClient,
@@ -38,6 +36,8 @@ from qlm.gateway.app import (
 )
 from qlm.gateway.command import register
 from qlm.store import Store
+from qlm.tooling import localbroker
+from qlm.tooling.demo import LocalCluster
 from tests.e2e import running_cluster
 
 KEY = "sk-qlm-test-alpha-0123456789"

@@ -1,4 +1,5 @@
-"""Results at a glance (qlm/simulator/glance.py): the deciding point, the target, the page."""
+"""Results at a glance (qlm/tooling/simulator/glance.py): the deciding point, the target, the
+page."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from qlm.simulator.glance import BEGIN, END, glance_markdown, glance_row, write_into
+from qlm.tooling.simulator.glance import BEGIN, END, glance_markdown, glance_row, write_into
 
 
 def summary(qlm: list[float], edf: list[float], fcfs: list[float], **extra: object) -> dict:

@@ -1,4 +1,5 @@
-"""The hindsight bound (qlm/simulator/hindsight.py): an upper bound on SLO attainment that no
+"""The hindsight bound (qlm/tooling/simulator/hindsight.py): an upper bound on SLO attainment that
+no
 policy may beat, solved to optimality on a relaxation of the simulated cluster."""
 
 from __future__ import annotations
@@ -11,14 +12,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from planner import create_policy, simulation_policy
 from qlm.engine_model import get_profile
-from qlm.simulator.cluster import ClusterSimulator, InstanceSpec, SimConfig
-from qlm.simulator.hindsight import EngineCosts, hindsight_bound, pools_of
-from qlm.simulator.report import aggregate_seeds, markdown_table, render_console_table
-from qlm.simulator.runner import run_scenario
-from qlm.simulator.scenario import ScenarioSpec
-from qlm.simulator.workload import SimRequest
+from qlm.planner import create_policy, simulation_policy
+from qlm.tooling.simulator.cluster import ClusterSimulator, InstanceSpec, SimConfig
+from qlm.tooling.simulator.hindsight import EngineCosts, hindsight_bound, pools_of
+from qlm.tooling.simulator.report import aggregate_seeds, markdown_table, render_console_table
+from qlm.tooling.simulator.runner import run_scenario
+from qlm.tooling.simulator.scenario import ScenarioSpec
+from qlm.tooling.simulator.workload import SimRequest
 
 A100 = "A100-80GB"
 PROFILES = [(A100, "mistral-7b", None), ("A10", "vicuna-13b", None), ("H100-80GB", "mistral-7b", 2)]

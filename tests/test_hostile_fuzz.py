@@ -25,8 +25,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from qlm.chaos.rawamqp import RawPublisher
 from qlm.client import QlmClient
+from qlm.tooling.chaos.rawamqp import RawPublisher
 from qlm.types import SLO, RequestMessage, ResultMessage
 from tests.test_hostile_input import Live, live_cluster, request_body
 from tests.test_protocol import json_values

@@ -30,20 +30,20 @@ import pamqp.frame
 import pytest
 from aio_pika.abc import AbstractIncomingMessage
 
-from agents.agent import Agent
-from agents.sim import SimEngine
-from planner import create_policy
 from qlm import amqp as qlm_amqp
 from qlm.admin import create_admin_app, serve_admin
+from qlm.agents.agent import Agent
+from qlm.agents.sim import SimEngine
 from qlm.catalog import ModelCatalog
-from qlm.chaos.rawamqp import RawPublisher, raw_table
 from qlm.client import QlmClient
 from qlm.coordinator.core import AdmissionLimits, CoordinatorCore
 from qlm.coordinator.service import Coordinator
 from qlm.coordinator.validation import RAW_PROPERTIES_HEADER
 from qlm.gateway.app import ApiKeys, GatewaySettings, serve_gateway
 from qlm.metrics import CoordinatorMetrics
+from qlm.planner import create_policy
 from qlm.store import Store
+from qlm.tooling.chaos.rawamqp import RawPublisher, raw_table
 from qlm.topology import DEAD_LETTER_QUEUE, REASON_HEADER, REASON_TEXT_HEADER
 from qlm.types import SLO, ErrorCode, ErrorMessage, RequestMessage, ResultMessage
 from tests.test_admin_api import MemoryBackend
@@ -52,7 +52,8 @@ MODEL = "mistral-7b"
 
 
 # ----------------------------------------------------------------------------- raw publishing
-# RawPublisher, raw_table, content_header_frame: qlm/chaos/rawamqp.py (shared with qlm chaos)
+# RawPublisher, raw_table, content_header_frame: qlm/tooling/chaos/rawamqp.py (shared with qlm
+# chaos)
 
 
 # ----------------------------------------------------------------------------- a live cluster

@@ -14,7 +14,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy.stats import norm
 
-from qlm.bench_lengths import bench_lengths, lengths_markdown
 from qlm.estimator import OutputLengthModel, RCTEstimator
 from qlm.length_forest import (
     ForestLengthModel,
@@ -23,6 +22,7 @@ from qlm.length_forest import (
     bucket_prompt,
 )
 from qlm.policy import CompletionObservation
+from qlm.tooling.bench_lengths import bench_lengths, lengths_markdown
 
 CAP = 4096
 SIGMA = 0.5  # log-space spread of the synthetic outputs
@@ -404,7 +404,7 @@ def test_bench_lengths_shape_and_table() -> None:
 
 
 def test_the_planner_prices_each_request_with_the_forest_once_trained() -> None:
-    from planner.stochastic import QLMPolicy
+    from qlm.planner.stochastic import QLMPolicy
 
     policy = QLMPolicy(length_model="forest", length_cap_feature=False)
     lengths = policy.estimator.lengths
@@ -425,7 +425,7 @@ def test_the_planner_prices_each_request_with_the_forest_once_trained() -> None:
 
 
 def test_an_unknown_length_model_is_refused() -> None:
-    from planner.stochastic import QLMPolicy
+    from qlm.planner.stochastic import QLMPolicy
 
     with pytest.raises(ValueError, match="length_model"):
         QLMPolicy(length_model="oracle")

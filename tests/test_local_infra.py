@@ -18,7 +18,7 @@ import sqlalchemy as sa
 import yaml
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from qlm import localbroker
+from qlm.tooling import localbroker
 
 REPO = Path(__file__).resolve().parents[1]
 RABBITMQ_SCRIPT = REPO / "scripts" / "rabbitmq-local.sh"

@@ -130,7 +130,8 @@ async def test_migrate_creates_the_sqlite_parent_directory(tmp_path: Path) -> No
 
 
 def test_migrations_dir_can_be_overridden(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    assert migrations_dir() == REPO / "migrations"
+    # through the qlm/migrations link, as the installed package qlm.migrations
+    assert migrations_dir().resolve() == (REPO / "migrations").resolve()
     monkeypatch.setenv("QLM_MIGRATIONS_DIR", str(tmp_path))
     with pytest.raises(FileNotFoundError, match="QLM_MIGRATIONS_DIR"):
         migrations_dir()

@@ -13,13 +13,13 @@ from pathlib import Path
 import aio_pika
 import pytest
 
-from agents.agent import Agent
-from agents.sim import SimEngine
-from planner import create_policy
+from qlm.agents.agent import Agent
+from qlm.agents.sim import SimEngine
 from qlm.client import QlmClient
 from qlm.config import Settings
 from qlm.coordinator.core import AdmissionLimits, CoordinatorCore
 from qlm.coordinator.service import Coordinator
+from qlm.planner import create_policy
 from qlm.store import Store
 from qlm.topology import DEAD_LETTER_QUEUE, REASON_HEADER, REASON_TEXT_HEADER
 from qlm.types import SLO, ErrorCode, ErrorMessage, RequestMessage, ResultMessage

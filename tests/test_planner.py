@@ -9,10 +9,10 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from planner import create_policy
-from planner.baselines import EDFPolicy
-from planner.evaluate import predicted_attainment
-from planner.milp import (
+from qlm.planner import create_policy
+from qlm.planner.baselines import EDFPolicy
+from qlm.planner.evaluate import predicted_attainment
+from qlm.planner.milp import (
     GroupProblem,
     _decode,
     _primal_status,
@@ -21,9 +21,9 @@ from planner.milp import (
     solve_exact,
     solve_slots,
 )
-from planner.stochastic import QLMPolicy
-from qlm.bench_planner import NOW, build_instances, build_queue
+from qlm.planner.stochastic import QLMPolicy
 from qlm.policy import PlanInstance, PlanRequest
+from qlm.tooling.bench_planner import NOW, build_instances, build_queue
 from qlm.virtual_queue import VirtualQueue
 
 

@@ -10,9 +10,9 @@ from pathlib import Path
 import aio_pika
 import pytest
 
-from planner import create_policy
 from qlm.client import QlmClient
 from qlm.coordinator.service import Coordinator
+from qlm.planner import create_policy
 from qlm.store import Store
 from qlm.topology import DEAD_LETTER_QUEUE
 from qlm.types import SLO, ErrorCode, ErrorMessage, RequestMessage

@@ -31,9 +31,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from planner import POLICIES, create_policy, simulation_policy
-from planner.stochastic import QLMPolicy
 from qlm.grouping import GroupingConfig
+from qlm.planner import POLICIES, create_policy, simulation_policy
+from qlm.planner.stochastic import QLMPolicy
 from qlm.policy import CompletionObservation, Plan, PlanInstance, PlanRequest, QueuePolicy
 from qlm.virtual_queue import VirtualQueue
 from tests.builders import make_instance, make_plan_request

@@ -18,14 +18,14 @@ import aio_pika
 import httpx
 import pytest
 
-from agents.agent import Agent
-from agents.sim import SimEngine
-from planner import create_policy
-from qlm import localbroker
+from qlm.agents.agent import Agent
+from qlm.agents.sim import SimEngine
 from qlm.client import QlmClient
 from qlm.coordinator.identity import IdentityMode, ProducerIdentity
 from qlm.coordinator.service import Coordinator
+from qlm.planner import create_policy
 from qlm.store import Store
+from qlm.tooling import localbroker
 from qlm.topology import DEAD_LETTER_QUEUE, INGRESS_EXCHANGE, REASON_HEADER
 from qlm.types import (
     CONTENT_TYPE,

@@ -20,7 +20,7 @@ import httpx
 import pytest
 from aio_pika.abc import AbstractChannel, AbstractIncomingMessage
 
-from qlm import localbroker
+from qlm.tooling import localbroker
 from qlm.topology import declare_topology, shard_queue
 from qlm.types import (
     SLO,

@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from agents.engine import EngineRequest
-from agents.profiler import ProfilingError, concurrency_levels, profile_engine
-from agents.sim import SimEngine
+from qlm.agents.engine import EngineRequest
+from qlm.agents.profiler import ProfilingError, concurrency_levels, profile_engine
+from qlm.agents.sim import SimEngine
 from qlm.cli import app
 from qlm.engine_model import get_profile
-from qlm.simulator.scenario import load_profile
 from qlm.store import Store
+from qlm.tooling.simulator.scenario import load_profile
 from tests.test_migrations import fresh_postgres_database
 
 MODEL, GPU = "mistral-7b", "A100-80GB"

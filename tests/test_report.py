@@ -7,7 +7,7 @@ import json
 import pytest
 
 from qlm.client import ReplayResult
-from qlm.report import Report, format_comparison, slo_met
+from qlm.tooling.report import Report, format_comparison, slo_met
 from qlm.types import (
     SLO,
     ErrorCode,

@@ -9,12 +9,12 @@ from typing import Any
 
 import pytest
 
-from planner import create_policy
 from qlm.admission import SLOAdmissionGate, USLSpeedModel
 from qlm.engine_model import get_profile
-from qlm.simulator.cluster import ClusterSimulator, InstanceSpec, LSOSwitches, SimConfig
-from qlm.simulator.presets import PRESETS
-from qlm.simulator.runner import (
+from qlm.planner import create_policy
+from qlm.tooling.simulator.cluster import ClusterSimulator, InstanceSpec, LSOSwitches, SimConfig
+from qlm.tooling.simulator.presets import PRESETS
+from qlm.tooling.simulator.runner import (
     PolicyVariant,
     expand_variants,
     instance_specs,
@@ -22,10 +22,10 @@ from qlm.simulator.runner import (
     scenario_requests,
     sim_config,
 )
-from qlm.simulator.saber import fit_decode_speed, fit_engine_speed
-from qlm.simulator.scenario import ScenarioError, ScenarioSpec
-from qlm.simulator.targets import check_saber
-from qlm.simulator.workload import SimRequest
+from qlm.tooling.simulator.saber import fit_decode_speed, fit_engine_speed
+from qlm.tooling.simulator.scenario import ScenarioError, ScenarioSpec
+from qlm.tooling.simulator.targets import check_saber
+from qlm.tooling.simulator.workload import SimRequest
 
 MODEL = "mistral-7b"
 

@@ -1,4 +1,5 @@
-"""The shipped scenario files (``qlm/simulator/scenarios/*.yaml``): one per preset, each valid and
+"""The shipped scenario files (``qlm/tooling/simulator/scenarios/*.yaml``): one per preset, each
+valid and
 in the exact form ``qlm bench sim --dump`` prints (comments aside), with spot checks of the
 paper's numbers. They were generated from the Python dicts that built the presets before, and
 compared equal to them, spec by spec and sweep point by sweep point."""
@@ -10,12 +11,12 @@ from importlib import resources
 import pytest
 from typer.testing import CliRunner
 
-from qlm.bench_sim import dump
 from qlm.cli import app
-from qlm.simulator.presets import PRESETS, load_preset, shortened
-from qlm.simulator.scenario import ScenarioSpec
+from qlm.tooling.bench_sim import dump
+from qlm.tooling.simulator.presets import PRESETS, load_preset, shortened
+from qlm.tooling.simulator.scenario import ScenarioSpec
 
-SCENARIOS = resources.files("qlm.simulator").joinpath("scenarios")
+SCENARIOS = resources.files("qlm.tooling.simulator").joinpath("scenarios")
 
 
 def _text(name: str) -> str:

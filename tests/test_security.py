@@ -16,9 +16,9 @@ from pydantic import ValidationError
 
 from qlm import amqp as qlm_amqp
 from qlm.admin import create_admin_app, serve_admin
-from qlm.chaos.nodes import RabbitNode
 from qlm.config import Settings
 from qlm.metrics import CoordinatorMetrics
+from qlm.tooling.chaos.nodes import RabbitNode
 from tests.test_admin_api import MemoryBackend
 
 

@@ -79,10 +79,10 @@ def test_gain_is_between_zero_and_the_base_and_never_grows_with_lateness(
 
 
 def test_the_simulator_reports_service_gain_per_policy() -> None:
-    from planner import create_policy
-    from qlm.simulator.presets import PRESETS
-    from qlm.simulator.runner import PolicyVariant, simulate
-    from qlm.simulator.workload import build_requests
+    from qlm.planner import create_policy
+    from qlm.tooling.simulator.presets import PRESETS
+    from qlm.tooling.simulator.runner import PolicyVariant, simulate
+    from qlm.tooling.simulator.workload import build_requests
 
     spec = PRESETS["wb"].spec().model_copy(update={"duration_s": 60.0})
     reqs = build_requests(spec)
@@ -100,7 +100,7 @@ def test_the_planner_maximises_service_gain_when_asked() -> None:
     """One instance serving one request at a time; a long request worth far more than three
     short ones, all due at 15 s: either the three short ones meet their SLO, or the long one
     (and one short). Attainment takes the three; service gain takes the long one first."""
-    from planner.stochastic import QLMConfig, QLMPolicy
+    from qlm.planner.stochastic import QLMConfig, QLMPolicy
     from qlm.policy import PlanInstance, PlanRequest
 
     inst = [PlanInstance("a", ("mistral-7b",), "A100-80GB", 100_000, 1)]

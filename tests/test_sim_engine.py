@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from agents.engine import EngineOutput, EngineRequest
-from agents.sim import MAX_CATCH_UP_S, SimEngine, _SimRequest
+from qlm.agents.engine import EngineOutput, EngineRequest
+from qlm.agents.sim import MAX_CATCH_UP_S, SimEngine, _SimRequest
 from qlm.engine_model import EngineProfile, get_profile
 
 

@@ -21,10 +21,10 @@ from pathlib import Path
 
 import pytest
 
-from planner import create_policy
 from qlm.client import QlmClient
-from qlm.simulator.cluster import ClusterSimulator, InstanceSpec, SimConfig
-from qlm.simulator.workload import SimRequest
+from qlm.planner import create_policy
+from qlm.tooling.simulator.cluster import ClusterSimulator, InstanceSpec, SimConfig
+from qlm.tooling.simulator.workload import SimRequest
 from qlm.types import SLO, RequestMessage, ResultMessage
 from tests.e2e import gather_replies, running_cluster
 

@@ -9,10 +9,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from planner import create_policy
-from qlm.simulator.cluster import ClusterSimulator, InstanceSpec, SimConfig
-from qlm.simulator.scenario import ScenarioError, ScenarioSpec
-from qlm.simulator.workload import SimRequest, build_requests
+from qlm.planner import create_policy
+from qlm.tooling.simulator.cluster import ClusterSimulator, InstanceSpec, SimConfig
+from qlm.tooling.simulator.scenario import ScenarioError, ScenarioSpec
+from qlm.tooling.simulator.workload import SimRequest, build_requests
 from qlm.types import StageInfo
 
 A100 = "A100-80GB"
@@ -277,7 +277,7 @@ def test_the_agentic_scenario_reports_task_attainment_per_policy(tmp_path):
     from typer.testing import CliRunner
 
     from qlm.cli import app
-    from qlm.simulator.presets import agentic
+    from qlm.tooling.simulator.presets import agentic
 
     path = tmp_path / "agentic.yaml"
     path.write_text(yaml.safe_dump(agentic(duration_s=40.0, rates=[4.0, 12.0])))

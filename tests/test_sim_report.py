@@ -13,8 +13,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from qlm.simulator import report
-from qlm.simulator.report import (
+from qlm.tooling.simulator import report
+from qlm.tooling.simulator.report import (
     MISSING,
     PALETTE,
     markdown_table,
@@ -582,6 +582,6 @@ def test_importing_the_module_does_not_import_matplotlib() -> None:
     import subprocess
     import sys
 
-    code = "import sys, qlm.simulator.report; print('matplotlib' in sys.modules)"
+    code = "import sys, qlm.tooling.simulator.report; print('matplotlib' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.stdout.strip() == "False", result.stderr

@@ -14,7 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from qlm.catalog import MODELS
-from qlm.simulator.scenario import ScenarioError, ScenarioSpec, load_scenario
+from qlm.tooling.simulator.scenario import ScenarioError, ScenarioSpec, load_scenario
 
 
 def base() -> dict[str, Any]:

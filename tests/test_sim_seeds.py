@@ -7,10 +7,10 @@ import math
 
 import pytest
 
-from qlm.bench_sim import run_sim_bench
 from qlm.policy import QueuePolicy
-from qlm.simulator.report import aggregate_seeds, markdown_table, results_markdown
-from qlm.simulator.scenario import ScenarioError, ScenarioSpec
+from qlm.tooling.bench_sim import run_sim_bench
+from qlm.tooling.simulator.report import aggregate_seeds, markdown_table, results_markdown
+from qlm.tooling.simulator.scenario import ScenarioError, ScenarioSpec
 
 TINY = {
     "name": "tiny",
@@ -32,7 +32,7 @@ TINY = {
 
 
 def factory(name: str, overrides: object) -> QueuePolicy:
-    from planner import create_policy
+    from qlm.planner import create_policy
 
     return create_policy(name)
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from qlm.simulator.targets import evaluate
+from qlm.tooling.simulator.targets import evaluate
 
 
 def test_wb_overload_gap_and_edf_at_every_point():

@@ -13,8 +13,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from qlm.catalog import MODELS
-from qlm.simulator.scenario import ArrivalSpec, ScenarioError, ScenarioSpec
-from qlm.simulator.workload import arrival_times, build_requests, fit_lengths
+from qlm.tooling.simulator.scenario import ArrivalSpec, ScenarioError, ScenarioSpec
+from qlm.tooling.simulator.workload import arrival_times, build_requests, fit_lengths
 from qlm.trace import load_azure_trace
 
 

@@ -11,13 +11,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from planner import create_policy
 from qlm.admission import SLOAdmissionGate, required_speed
 from qlm.engine_model import get_profile
-from qlm.simulator.cluster import ClusterSimulator, InstanceSpec, LSOSwitches, SimConfig
-from qlm.simulator.instance import SimInstance, SimJob
-from qlm.simulator.runner import r_squared
-from qlm.simulator.workload import SimRequest
+from qlm.planner import create_policy
+from qlm.tooling.simulator.cluster import ClusterSimulator, InstanceSpec, LSOSwitches, SimConfig
+from qlm.tooling.simulator.instance import SimInstance, SimJob
+from qlm.tooling.simulator.runner import r_squared
+from qlm.tooling.simulator.workload import SimRequest
 
 A100 = "A100-80GB"
 

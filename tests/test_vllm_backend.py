@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
-from agents.engine import EngineOutput, EngineRequest
-from agents.vllm import VllmEngine, VllmSettings, vllm_available
+from qlm.agents.engine import EngineOutput, EngineRequest
+from qlm.agents.vllm import VllmEngine, VllmSettings, vllm_available
 
 pytestmark = [
     pytest.mark.vllm,
@@ -35,7 +35,7 @@ PROMPT = list(range(3, 43))  # 40 tokens
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from agents.tiny_model import make_tiny_model
+    from qlm.agents.tiny_model import make_tiny_model
 
     cached = os.environ.get("QLM_TINY_MODEL_DIR")  # reuse one across runs when set
     return make_tiny_model(cached or tmp_path_factory.mktemp("tiny-llama"))
@@ -297,11 +297,11 @@ async def test_whole_path_with_eviction_and_exact_resume_on_vllm(
     """Producer -> broker -> coordinator -> agent -> vLLM, with the coordinator evicting a
     running request mid-way: the producer gets one reply whose output equals an uninterrupted
     greedy run's."""
-    from agents.agent import Agent
-    from planner import create_policy
+    from qlm.agents.agent import Agent
     from qlm.client import QlmClient
     from qlm.coordinator.core import EvictOrder, TrackState
     from qlm.coordinator.service import Coordinator
+    from qlm.planner import create_policy
     from qlm.store import Store
     from qlm.types import SLO, RequestMessage, ResultMessage, SamplingParams
 

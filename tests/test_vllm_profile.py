@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from agents.vllm import vllm_available
-from qlm.simulator.scenario import load_profile
+from qlm.agents.vllm import vllm_available
+from qlm.tooling.simulator.scenario import load_profile
 
 pytestmark = [
     pytest.mark.vllm,
@@ -22,7 +22,7 @@ pytestmark = [
 
 
 def test_qlm_profile_on_vllm_writes_a_profile_the_simulator_loads(tmp_path: Path) -> None:
-    from agents.tiny_model import make_tiny_model
+    from qlm.agents.tiny_model import make_tiny_model
 
     model_dir = make_tiny_model(os.environ.get("QLM_TINY_MODEL_DIR") or tmp_path / "tiny")
     out = tmp_path / "tiny-cpu.json"

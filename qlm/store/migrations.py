@@ -1,8 +1,8 @@
 """Run the store's Alembic migrations from code, and locate them.
 
-The migration tree lives in ``migrations/`` at the repository root (next to the ``qlm``
-package; the package is installed editable). ``QLM_MIGRATIONS_DIR`` points elsewhere, e.g.
-in a container image that copies the tree.
+The migration tree lives in ``migrations/`` at the repository root and is installed as the
+package ``qlm.migrations`` (in a checkout, ``qlm/migrations`` links to it).
+``QLM_MIGRATIONS_DIR`` points elsewhere, e.g. in a container image that copies the tree.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from sqlalchemy.engine import make_url
 
 def migrations_dir() -> Path:
     override = os.environ.get("QLM_MIGRATIONS_DIR")
-    path = Path(override) if override else Path(__file__).resolve().parents[2] / "migrations"
+    path = Path(override) if override else Path(__file__).resolve().parents[1] / "migrations"
     if not (path / "alembic.ini").is_file():
         raise FileNotFoundError(
             f"no alembic.ini in {path}; set QLM_MIGRATIONS_DIR to the qlm migrations/ directory"

@@ -1,0 +1,2 @@
+"""The store's Alembic migrations, installed as ``qlm.migrations`` (``qlm.store.migrate`` runs
+them)."""

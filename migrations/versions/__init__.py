@@ -1,0 +1,1 @@
+"""Alembic revisions (Alembic loads them by path; this file only makes the folder a package)."""

@@ -1,0 +1,184 @@
+"""Results at a glance: one row per scenario, from the ``summary.json`` of each run.
+
+A row sets qlm against the strongest baseline of that run at the point where qlm fares worst
+against it (the point that decides the target). The row also gives the hindsight bound there,
+the target, and whether it was met. The target is the one every scenario shares (issue 17):
+at every point, qlm meets at least as many SLOs as every baseline less one point, on the mean
+over seeds. A scenario's own checks (``summary["checks"]``, qlm/tooling/simulator/targets.py) must
+pass
+too. The "why" column says in words where the decision fell; docs/benchmarks.md explains it.
+
+Scenarios whose columns are not policies (ablations, engine settings, the delta sweep) compare
+qlm with itself: they get their own checks only.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from qlm.tooling.simulator.report import HINDSIGHT, SUMMARY_JSON
+
+SLACK_POINTS = 1.0  # qlm may trail a baseline by this much (sampling noise between policies)
+QLM = "qlm"
+
+
+@dataclass(frozen=True)
+class GlanceRow:
+    scenario: str
+    seeds: int
+    point: str  # the deciding point's label ("" without a sweep)
+    qlm: float | None  # attainment %, mean over seeds
+    baseline: str | None  # the strongest other policy at that point
+    baseline_value: float | None
+    bound: float | None  # hindsight bound %, at that point
+    target: str
+    met: bool
+    why: str
+
+
+def _at(value: Any, k: int | None) -> Any:
+    return value[k] if k is not None and isinstance(value, list) else value
+
+
+def _pct(value: Any) -> float | None:
+    return None if value is None else 100.0 * float(value)
+
+
+def _labels(summary: Mapping[str, Any]) -> list[str]:
+    sweep = summary.get("sweep")
+    if not sweep:
+        return [""]
+    variants = sweep.get("variants")
+    if variants:
+        return [str(v) for v in variants]
+    return [str(v) for v in sweep.get("values", [])]
+
+
+def glance_row(summary: Mapping[str, Any]) -> GlanceRow:
+    policies: Mapping[str, Any] = summary.get("policies", {})
+    labels = _labels(summary)
+    points: list[int | None] = list(range(len(labels))) if summary.get("sweep") else [None]
+    seeds = len(summary.get("seeds") or [summary.get("seed", 0)])
+    own_checks = list(summary.get("checks", []))
+    own_ok = all(bool(c.get("met")) for c in own_checks)
+    others = [p for p in policies if p != QLM]
+    bound_series = (summary.get(HINDSIGHT) or {}).get("slo_attainment")
+    if QLM not in policies or not others:
+        met = own_ok
+        return GlanceRow(
+            scenario=str(summary.get("scenario", "?")),
+            seeds=seeds,
+            point="",
+            qlm=None,
+            baseline=None,
+            baseline_value=None,
+            bound=None,
+            target="its own checks",
+            met=met,
+            why=_own_why(own_checks),
+        )
+    worst: tuple[float, int | None, str, float, float] | None = None
+    for k in points:
+        q = _pct(_at(policies[QLM].get("slo_attainment"), k))
+        if q is None:
+            continue
+        best_name, best = max(
+            ((p, _pct(_at(policies[p].get("slo_attainment"), k)) or 0.0) for p in others),
+            key=lambda item: item[1],
+        )
+        margin = q - best
+        if worst is None or margin < worst[0]:
+            worst = (margin, k, best_name, best, q)
+    if worst is None:
+        raise ValueError(f"{summary.get('scenario')}: qlm has no attainment")
+    margin, k, best_name, best, q = worst
+    shared_ok = margin >= -SLACK_POINTS
+    bound = _pct(_at(bound_series, k)) if bound_series is not None else None
+    label = labels[k] if k is not None else ""
+    where = f" at {label}" if label else ""
+    if shared_ok:
+        why = f"qlm {margin:+.1f} points against {best_name}{where}, its closest point"
+    else:
+        why = f"qlm trails {best_name} by {-margin:.1f} points{where}"
+    if not own_ok:
+        why += "; " + _own_why(own_checks)
+    return GlanceRow(
+        scenario=str(summary.get("scenario", "?")),
+        seeds=seeds,
+        point=label,
+        qlm=q,
+        baseline=best_name,
+        baseline_value=best,
+        bound=bound,
+        target=f"qlm ≥ every baseline − {SLACK_POINTS:g} at every point"
+        + (" and its own checks" if own_checks else ""),
+        met=shared_ok and own_ok,
+        why=why,
+    )
+
+
+def _own_why(checks: Sequence[Mapping[str, Any]]) -> str:
+    missed = [str(c.get("target", "?")) for c in checks if not c.get("met")]
+    if not checks:
+        return "no checks of its own"
+    if not missed:
+        return f"its {len(checks)} checks met"
+    if len(missed) == 1:
+        return f"missed its check {missed[0]!r}"
+    return f"missed {len(missed)} of its {len(checks)} checks"
+
+
+def load_summaries(root: Path, runs: Sequence[str] | None = None) -> dict[str, dict[str, Any]]:
+    """``root/<run>/summary.json`` by run folder (every folder holding one, sorted)."""
+    names = runs or sorted(p.parent.name for p in root.glob(f"*/{SUMMARY_JSON}"))
+    out = {}
+    for name in names:
+        path = root / name / SUMMARY_JSON
+        if path.exists():
+            out[name] = json.loads(path.read_text())
+    return out
+
+
+def glance_rows(summaries: Mapping[str, Mapping[str, Any]]) -> list[GlanceRow]:
+    """One row per run, named by its folder (a scenario can have several runs)."""
+    rows = []
+    for name, summary in summaries.items():
+        row = glance_row(summary)
+        rows.append(GlanceRow(**{**row.__dict__, "scenario": name}))
+    return rows
+
+
+BEGIN, END = "<!-- glance:begin -->", "<!-- glance:end -->"
+
+
+def write_into(page: Path, table: str) -> None:
+    """Replace what lies between the page's glance markers with ``table``."""
+    text = page.read_text()
+    if BEGIN not in text or END not in text:
+        raise ValueError(f"{page} has no {BEGIN} ... {END} block")
+    head, rest = text.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    page.write_text(f"{head}{BEGIN}\n{table}{END}{tail}")
+
+
+def _fmt(value: float | None) -> str:
+    return "–" if value is None else f"{value:.1f}"
+
+
+def glance_markdown(rows: Sequence[GlanceRow]) -> str:
+    head = (
+        "| scenario | seeds | deciding point | qlm % | best baseline % | hindsight bound % "
+        "| target | met | why |\n|---|---:|---|---:|---|---:|---|---|---|\n"
+    )
+    lines = []
+    for r in rows:
+        base = "–" if r.baseline is None else f"{r.baseline} {_fmt(r.baseline_value)}"
+        lines.append(
+            f"| {r.scenario} | {r.seeds} | {r.point or '–'} | {_fmt(r.qlm)} | {base} "
+            f"| {_fmt(r.bound)} | {r.target} | {'met' if r.met else '**missed**'} | {r.why} |"
+        )
+    return head + "\n".join(lines) + "\n"
