@@ -137,7 +137,7 @@ def _tolerant_timestamp(
 def install_tolerant_decoding() -> bool:
     """Make pamqp's decoding of short strings, field-table keys and timestamps tolerant (see
     above). Idempotent; returns whether the patch is in place. An untested pamqp version or a
-    decode module of another shape is left alone, with a warning (tests/test_hostile_input.py
+    decode module of another shape is left alone, with a warning (tests/broker/test_hostile_input.py
     then fails, so an upgrade cannot drop the protection silently)."""
     global _tolerant_installed
     if _tolerant_installed:

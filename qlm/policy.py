@@ -4,7 +4,7 @@ A policy decides, for every queued request, which instance's virtual queue it wa
 what order. ``plan`` is a full replan over a snapshot; ``place`` puts one new arrival into the
 current queues without disturbing anyone else's place. Both are pure functions of their inputs
 (no broker, no clock reads), so they are tested with plain builders and a conformance suite
-(``tests/test_policy_conformance.py``) that every policy must pass.
+(``tests/conformance/test_policy_conformance.py``) that every policy must pass.
 
 Concrete policies live in the ``planner`` package (FCFS, EDF, the stochastic planner); qlm's core
 only knows this interface.

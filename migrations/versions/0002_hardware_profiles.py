@@ -5,7 +5,7 @@ Revises: 0001
 Create Date: 2026-11-22
 
 Written to match ``qlm.store.models.HardwareProfileRun`` (checked by
-tests/test_migrations.py::test_models_match_the_migrations on SQLite and PostgreSQL): a new
+tests/broker/test_migrations.py::test_models_match_the_migrations on SQLite and PostgreSQL): a new
 table only, so the upgrade and the downgrade touch nothing that exists.
 """
 

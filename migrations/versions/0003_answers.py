@@ -5,7 +5,7 @@ Revises: 0002
 Create Date: 2026-11-25
 
 Written to match ``qlm.store.models.Answer`` (checked by
-tests/test_migrations.py::test_models_match_the_migrations on SQLite and PostgreSQL): a new
+tests/broker/test_migrations.py::test_models_match_the_migrations on SQLite and PostgreSQL): a new
 table only, so the upgrade and the downgrade touch nothing that exists.
 """
 

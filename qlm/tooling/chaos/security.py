@@ -197,7 +197,7 @@ SECURITY_SCENARIOS: dict[str, Scenario] = {
         Scenario(
             "hostile-properties",
             hostile_properties,
-            True,  # make test runs it from tests/test_chaos_security.py
+            True,  # make test runs it from tests/broker/test_chaos_security.py
             False,
             "hostile AMQP messages (bytes that are not UTF-8, parser bombs) under load",
         ),

@@ -20,7 +20,7 @@ from sqlalchemy.ext.asyncio import create_async_engine
 
 from qlm.tooling import localbroker
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 RABBITMQ_SCRIPT = REPO / "scripts" / "rabbitmq-local.sh"
 POSTGRES_SCRIPT = REPO / "scripts" / "postgres-local.sh"
 COMPOSE_FILE = REPO / "docker" / "compose.yaml"

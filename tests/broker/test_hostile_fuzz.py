@@ -28,8 +28,8 @@ from hypothesis import strategies as st
 from qlm.client import QlmClient
 from qlm.tooling.chaos.rawamqp import RawPublisher
 from qlm.types import SLO, RequestMessage, ResultMessage
-from tests.test_hostile_input import Live, live_cluster, request_body
-from tests.test_protocol import json_values
+from tests.broker.test_hostile_input import Live, live_cluster, request_body
+from tests.unit.test_protocol import json_values
 
 pytestmark = pytest.mark.broker
 

@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from qlm.store import RequestEvent, RequestStatus, Store
-from tests.test_migrations import fresh_postgres_database
+from tests.broker.test_migrations import fresh_postgres_database
 
 S = RequestStatus
 T0 = 1_700_000_000.0

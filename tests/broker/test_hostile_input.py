@@ -46,7 +46,7 @@ from qlm.store import Store
 from qlm.tooling.chaos.rawamqp import RawPublisher, raw_table
 from qlm.topology import DEAD_LETTER_QUEUE, REASON_HEADER, REASON_TEXT_HEADER
 from qlm.types import SLO, ErrorCode, ErrorMessage, RequestMessage, ResultMessage
-from tests.test_admin_api import MemoryBackend
+from tests.unit.test_admin_api import MemoryBackend
 
 MODEL = "mistral-7b"
 

@@ -1,5 +1,5 @@
 """`qlm profile` against the sim backend, whose true engine model is known: the profiler must
-recover it. (The same profiler on real vLLM: tests/test_vllm_profile.py.)"""
+recover it. (The same profiler on real vLLM: tests/vllm/test_vllm_profile.py.)"""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from qlm.cli import app
 from qlm.engine_model import get_profile
 from qlm.store import Store
 from qlm.tooling.simulator.scenario import load_profile
-from tests.test_migrations import fresh_postgres_database
+from tests.broker.test_migrations import fresh_postgres_database
 
 MODEL, GPU = "mistral-7b", "A100-80GB"
 
@@ -263,7 +263,7 @@ def test_a_stored_profile_replaces_the_roofline_for_the_planner(tmp_path: Path) 
     from qlm.cli import _use_measured_profiles
     from qlm.engine_model import clear_measured_profiles, profile_from_dict
 
-    data = json.loads((Path(__file__).parent / "data" / "tiny-cpu-profile.json").read_text())
+    data = json.loads((Path(__file__).parents[1] / "data" / "tiny-cpu-profile.json").read_text())
 
     async def go() -> None:
         store = await Store.open(f"sqlite+aiosqlite:///{tmp_path}/qlm.db")

@@ -29,7 +29,7 @@ from qlm.store import Base, migrate, migrations_dir
 from qlm.store.migrations import alembic_config
 
 TABLES = {"requests", "request_events", "instances", "plans", "engine_profiles"}
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])

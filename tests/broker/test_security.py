@@ -19,7 +19,7 @@ from qlm.admin import create_admin_app, serve_admin
 from qlm.config import Settings
 from qlm.metrics import CoordinatorMetrics
 from qlm.tooling.chaos.nodes import RabbitNode
-from tests.test_admin_api import MemoryBackend
+from tests.unit.test_admin_api import MemoryBackend
 
 
 @pytest.fixture(scope="module")

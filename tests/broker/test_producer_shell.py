@@ -40,7 +40,7 @@ pytestmark = [
     ),
 ]
 
-SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "producer.sh"
+SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "producer.sh"
 SHARDS = 2
 
 

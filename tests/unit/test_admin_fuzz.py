@@ -11,7 +11,7 @@ from schemathesis.specs.openapi.checks import negative_data_rejection
 
 from qlm.admin import create_admin_app
 from qlm.metrics import CoordinatorMetrics
-from tests.test_admin_api import MemoryBackend
+from tests.unit.test_admin_api import MemoryBackend
 
 ADMIN, READ = "fuzz-admin-token", "fuzz-read-token"
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import qlm
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 # The composition root: the only module allowed to wire runtime, planner, agents and tooling.
 WIRING = {"qlm.cli"}
 
