@@ -185,6 +185,7 @@ class _Tables:
     own: np.ndarray  # (n, I) prefill + decode at the length bound, once started (eqs. 1, 4)
     lst: np.ndarray  # (n, I) latest start that meets every deadline (-inf: not served there)
     switch: np.ndarray  # (I, M) loading each model
+    swap: np.ndarray  # (I, M) a new run of each model: the drain before it and the load
     drain: np.ndarray  # (I,) until the running batch has finished (before a model switch)
     init_model: np.ndarray  # (I,) model index loaded now, -1: none or unknown
     prio: np.ndarray  # (n,) starving: kept first, whatever it costs
@@ -230,13 +231,24 @@ class _LaneState:
     slack: np.ndarray  # suffix minimum of the kept requests' slack (s), len + 1 (inf at end)
     s_per_token: float  # occupancy seconds per work token on this instance
     placed: float  # work tokens planned or placed here since the plan (kept and tail)
+    models: set[str] = field(default_factory=set)  # models it holds work of, or has loaded
+    ranks: dict[str, int] = field(default_factory=dict)  # model -> its run in the tail
+    swap_s: float = 0.0  # a new model run here: the drain before it (the load is per model)
     pending_due: list[float] = field(default_factory=list)  # arrivals since the plan, sorted
     pending_tokens: list[float] = field(default_factory=list)
     added_s: float = 0.0  # occupancy of feasible arrivals since the plan
 
     @classmethod
-    def empty(cls, s_per_token: float) -> _LaneState:
-        return cls(np.zeros(0), np.zeros(0), np.zeros(1), np.full(1, np.inf), s_per_token, 0.0)
+    def empty(cls, s_per_token: float, swap_s: float = 0.0) -> _LaneState:
+        return cls(
+            np.zeros(0),
+            np.zeros(0),
+            np.zeros(1),
+            np.full(1, np.inf),
+            s_per_token,
+            0.0,
+            swap_s=swap_s,
+        )
 
     def ahead_tokens(self, due: float, load: float) -> float:
         """Work tokens still queued here ahead of a request whose key is ``due``: the kept
@@ -310,19 +322,22 @@ class QLMPolicy(QueuePolicy):
         self._arrivals_since_plan = 0
         self._half_out: dict[int, float] = {}
         self._last_detail: tuple[dict[str, float], float] | None = None
+        self._models: list[str] = []  # of the plan being made
+        self._tail_ranks: list[dict[str, int]] = []  # per instance: model -> its tail run
 
     # ------------------------------------------------------------------ interface
     def sort_key(self, request: PlanRequest) -> tuple[Any, ...]:
         """(FEASIBLE, latest start (running max along the planned order), position, seq) for
         kept work: an arrival's (FEASIBLE, its latest start, inf, seq) lands at its EDF
-        position among it; (TAIL, ALIVE, latest start, seq) / (TAIL, HOPELESS, arrival, seq)
-        for the best-effort tail. A request this policy never saw sorts into the tail by its
-        deadline."""
+        position among it. The best-effort tail: (TAIL, ALIVE, model run, latest start, seq)
+        for what could still make it, then (TAIL, HOPELESS, model run, arrival, seq): in model
+        runs, so serving it late does not add switches. A request this policy never saw
+        sorts into the tail by its deadline."""
         rid = request.request_id
         key = self._arrival_keys.get(rid) or self._keys.get(rid)
         if key is not None:
             return key
-        return (TAIL, ALIVE, request.effective_deadline, request.seq)
+        return (TAIL, ALIVE, 0, request.effective_deadline, request.seq)
 
     def observe_completion(self, obs: CompletionObservation) -> None:
         lengths = self.estimator.lengths
@@ -405,12 +420,14 @@ class QLMPolicy(QueuePolicy):
             lane = self._lane(iid, queued, rate)
             pre = rate.prefill_fixed_s + rate.prefill_s_per_token * request.prompt_tokens
             due = _latest_start(request, pre, pre + out_bound * rate.token_s)
-            switch = rate.switch_s if inst.active_model not in (None, request.model) else 0.0
-            start = now + lane.ahead_tokens(due, queued) * lane.s_per_token + switch
+            # a model the instance holds no work of: a new run (drain, then load)
+            held = request.model in lane.models or inst.active_model in (None, request.model)
+            swap = 0.0 if held else rate.switch_s + lane.swap_s
+            start = now + lane.ahead_tokens(due, queued) * lane.s_per_token + swap
             feasible = start <= due
             rank = (
                 not feasible,
-                start if feasible else queued * lane.s_per_token,
+                start if feasible else queued * lane.s_per_token + swap,
                 inst.running,
                 iid,
             )
@@ -423,6 +440,7 @@ class QLMPolicy(QueuePolicy):
         iid = inst.instance_id
         lane = self._lanes[iid]
         lane.placed += tokens
+        lane.models.add(request.model)
         if not infeasible:
             key: tuple[Any, ...] = (FEASIBLE, due, math.inf, request.seq)
             lane.add_pending(due, tokens)
@@ -432,12 +450,14 @@ class QLMPolicy(QueuePolicy):
             if float(lane.slack[min(p, len(lane.slack) - 1)]) < lane.added_s:
                 self._violation = True
         elif due > now:
-            key = (TAIL, ALIVE, due, request.seq)
+            run = lane.ranks.setdefault(request.model, len(lane.ranks))
+            key = (TAIL, ALIVE, run, due, request.seq)
             # it can still make it if a costlier request ahead of it gives way: a replan
             # (the Moore-Hodgson walk) decides
             self._violation = True
         else:
-            key = (TAIL, HOPELESS, request.arrival_time, request.seq)
+            run = lane.ranks.setdefault(request.model, len(lane.ranks))
+            key = (TAIL, HOPELESS, run, request.arrival_time, request.seq)
         if len(self._arrival_keys) >= ARRIVAL_KEYS_MAX:
             # the coordinator reads an arrival's key right after place(), and every queued
             # request gets a new one at the next plan: the oldest can go
@@ -474,7 +494,8 @@ class QLMPolicy(QueuePolicy):
         lane = self._lanes.get(iid)
         if lane is None or (queued <= 0.0 and (lane.placed > 0.0 or len(lane.due))):
             s_per_token = lane.s_per_token if lane is not None else rate.inv_tps
-            lane = self._lanes[iid] = _LaneState.empty(s_per_token)
+            swap_s = lane.swap_s if lane is not None else 0.0
+            lane = self._lanes[iid] = _LaneState.empty(s_per_token, swap_s)
         return lane
 
     # ------------------------------------------------------------------ plan
@@ -495,6 +516,7 @@ class QLMPolicy(QueuePolicy):
             len(models), len(live)
         )
         mpos = {m: k for k, m in enumerate(models)}
+        self._models = models
         priced = self._price(reqs, mpos, now)
         servable = serve[priced.model_idx].any(axis=1) if len(reqs) else np.zeros(0, bool)
         unassigned = [r.request_id for r, ok in zip(reqs, servable, strict=True) if not ok]
@@ -738,8 +760,26 @@ class QLMPolicy(QueuePolicy):
         best_occ = np.where(np.isfinite(occ), occ, np.inf).min(axis=1) if n_inst else np.ones(n)
         # a request without a deadline is met wherever it waits: it gives way first
         cost = np.where(has_deadline, best_occ / np.maximum(priced.value, 1e-12), np.inf)
+        # a new model run waits for the previous one to drain: about a typical request's own
+        # time there (then the load)
+        typical = np.zeros(n_inst)
+        for g in range(n_inst):
+            fin = own[:, g][np.isfinite(own[:, g])]
+            typical[g] = float(np.median(fin)) if len(fin) else 0.0
+        swap = switch + typical[:, None]
         return _Tables(
-            occ, occ_var, own, lst, switch, drain, init, prio, cost, has_deadline, priced.model_idx
+            occ,
+            occ_var,
+            own,
+            lst,
+            switch,
+            swap,
+            drain,
+            init,
+            prio,
+            cost,
+            has_deadline,
+            priced.model_idx,
         )
 
     # ------------------------------------------------------------------ candidates
@@ -806,11 +846,20 @@ class QLMPolicy(QueuePolicy):
         instances: still-feasible requests by latest start, then the hopeless FCFS), their
         predicted completions (s from now) and sort keys."""
         reqs = priced.reqs
+        models = self._models
         n_inst = len(chosen.lanes)
         timing = [
             _lane_times(tab, g, lane.kept + lane.later) for g, lane in enumerate(chosen.lanes)
         ]
         end = [t.end for t in timing]
+        # the models each instance holds work of: a tail request joins one of its own model
+        # where it can (served late anyway, it should not add a model switch as well)
+        present: list[set[int]] = []
+        for g, lane in enumerate(chosen.lanes):
+            held = {int(tab.model_idx[k]) for k in lane.kept + lane.later}
+            if tab.init_model[g] >= 0:
+                held.add(int(tab.init_model[g]))
+            present.append(held)
         order = sorted(
             tail,
             key=lambda k: (
@@ -825,12 +874,15 @@ class QLMPolicy(QueuePolicy):
             ok = np.flatnonzero(np.isfinite(tab.occ[k])).tolist()
             if not ok:
                 continue
-            g = min(ok, key=lambda g: (end[g], g))
+            m = int(tab.model_idx[k])
+            g = min(ok, key=lambda g: (end[g] + (0.0 if m in present[g] else tab.swap[g, m]), g))
             done[reqs[k].request_id] = end[g] + float(tab.own[k, g])
             end[g] += float(tab.occ[k, g])
+            present[g].add(m)
             tails[g].append(k)
         keys: dict[str, tuple[Any, ...]] = {}
         final: list[list[int]] = []
+        self._tail_ranks = []
         for g, lane in enumerate(chosen.lanes):
             head = lane.kept + lane.later
             due = np.maximum.accumulate(tab.lst[head, g] + now) if head else np.zeros(0)
@@ -838,18 +890,24 @@ class QLMPolicy(QueuePolicy):
                 rid = reqs[k].request_id
                 keys[rid] = (FEASIBLE, float(due[pos]), pos, int(priced.seq[k]))
                 done[rid] = timing[g].start[pos] + float(tab.own[k, g])
+            # the tail in model runs: first the model the kept work ends with (or the one
+            # loaded), then the others in the order their first request comes
+            last = int(tab.model_idx[head[-1]]) if head else int(tab.init_model[g])
+            ranks: dict[str, int] = {models[last]: 0} if last >= 0 else {}
             mine: list[tuple[tuple[Any, ...], int]] = []
             for k in tails[g]:
+                rank = ranks.setdefault(models[int(tab.model_idx[k])], len(ranks))
                 lst_abs = float(tab.lst[k, g]) + now
                 key = (
-                    (TAIL, ALIVE, lst_abs, int(priced.seq[k]))
+                    (TAIL, ALIVE, rank, lst_abs, int(priced.seq[k]))
                     if lst_abs > now
-                    else (TAIL, HOPELESS, reqs[k].arrival_time, int(priced.seq[k]))
+                    else (TAIL, HOPELESS, rank, reqs[k].arrival_time, int(priced.seq[k]))
                 )
                 keys[reqs[k].request_id] = key
                 mine.append((key, k))
             mine.sort()
             final.append(head + [k for _, k in mine])
+            self._tail_ranks.append(ranks)
         return final, done, keys
 
     def _group_problem(
@@ -891,15 +949,9 @@ class QLMPolicy(QueuePolicy):
             dur[sel, g] = occ_m + z * np.sqrt(occ_v)
             own[sel, g] = own_m + z * np.sqrt(own_v)
             elig[sel, g] = True
-        drain = np.zeros(n_inst)
-        for g in range(n_inst):
-            col = tab.own[:, g]
-            fin = col[np.isfinite(col)]
-            drain[g] = float(np.median(fin)) if len(fin) else 0.0
         init = np.where(tab.init_model >= 0, tab.init_model, -1)
-        switch = tab.switch + drain[:, None]
         return GroupProblem(
-            weight, deadline, model, dur, own, elig, np.zeros(n_inst), init, switch, prio, size
+            weight, deadline, model, dur, own, elig, np.zeros(n_inst), init, tab.swap, prio, size
         )
 
     # ------------------------------------------------------------------ improvement
@@ -1124,8 +1176,17 @@ class QLMPolicy(QueuePolicy):
             occ = float(tab.occ[q, g].sum()) if q else 0.0
             rate = self._rates.get((iid, models[0])) if models else None
             s_per_token = occ / planned if planned > 0 else (rate.inv_tps if rate else 1e-4)
+            typical = tab.swap[g] - tab.switch[g]
             self._lanes[iid] = _LaneState(
-                due, toks, np.concatenate(([0.0], np.cumsum(toks))), suffix, s_per_token, planned
+                due,
+                toks,
+                np.concatenate(([0.0], np.cumsum(toks))),
+                suffix,
+                s_per_token,
+                planned,
+                models={models[int(tab.model_idx[k])] for k in q},
+                ranks=dict(self._tail_ranks[g]),
+                swap_s=float(typical[0]) if len(typical) else 0.0,
             )
 
 
