@@ -165,13 +165,14 @@ class _Rate:
     switch_s: float  # loading the model (warm or cold)
 
     @classmethod
-    def of(cls, p: HardwareProfile, switch_s: float) -> _Rate:
+    def of(cls, capacity: HardwareProfile, latency: HardwareProfile, switch_s: float) -> _Rate:
+        """Occupancy from the full batch's throughput, own time from the batch run now."""
         return cls(
-            p.token_time_s,
-            p.prefill_fixed_s,
-            p.prefill_s_per_token,
-            1.0 / p.prefill_tps,
-            1.0 / p.throughput_tps,
+            latency.token_time_s,
+            latency.prefill_fixed_s,
+            latency.prefill_s_per_token,
+            1.0 / capacity.prefill_tps,
+            1.0 / capacity.throughput_tps,
             switch_s,
         )
 
@@ -480,13 +481,14 @@ class QLMPolicy(QueuePolicy):
 
     def _rate(self, inst: PlanInstance, model: str) -> _Rate:
         """The (instance, model) timing of the last plan, else priced now at the context last
-        seen for the model (the default before any plan)."""
-        key = (inst.instance_id, model)
-        rate = self._rates.get(key)
+        seen for the model (before any plan; the batch: what runs there now plus this one)."""
+        rate = self._rates.get((inst.instance_id, model))
         if rate is None:
             ctx, ratio = self._ctx.get(model, (1024.0, 0.0))
             p = self._hw(inst, model, ctx, ratio)
-            rate = self._rates[key] = _Rate.of(p, self._switch(inst, p, model))
+            joins = inst.running + 1 if inst.active_model == model else 1
+            lat = self._hw(inst, model, ctx, ratio, batch=joins)
+            rate = _Rate.of(p, lat, self._switch(inst, p, model))
         return rate
 
     def _lane(self, iid: str, queued: float, rate: _Rate) -> _LaneState:
@@ -522,17 +524,17 @@ class QLMPolicy(QueuePolicy):
         unassigned = [r.request_id for r, ok in zip(reqs, servable, strict=True) if not ok]
         meta: dict[str, Any] = {"groups": 0, "requests": len(reqs)}
         if not servable.any():
-            self._adopt(None, priced, live, {}, models, now)
+            self._adopt(None, priced, live, ({}, {}), models, now)
             meta.update(feasible=not any(math.isfinite(d) for d in priced.deadline))
             return Plan(queues=queues_out, unassigned=unassigned, policy=self.name, meta=meta)
 
-        hw = self._profiles(priced, live, models, serve)
+        hw, lat = self._profiles(priced, live, models, serve)
         self._half_out = {
             m: float(priced.out_mean[priced.model_idx == m].mean()) / 2
             for m in range(len(models))
             if (priced.model_idx == m).any()
         }
-        tab = self._tables(priced, hw, live, models, now)
+        tab = self._tables(priced, hw, lat, live, models, now)
         best_lst = tab.lst.max(axis=1) if len(live) else np.full(len(reqs), -np.inf)
         # hopeless: misses even if it started now on its best instance; only the tail can
         # take it (not demoting anything keeps it in the candidates)
@@ -604,7 +606,7 @@ class QLMPolicy(QueuePolicy):
         meta["lso"] = self._lso(final, priced, hw, tab, live, models)
         for g, ids in enumerate(final):
             queues_out[live[g].instance_id] = [reqs[i].request_id for i in ids]
-        self._adopt((final, detail, keys, tab), priced, live, hw, models, now)
+        self._adopt((final, detail, keys, tab), priced, live, (hw, lat), models, now)
         meta["replan_s"] = round(time.perf_counter() - t0, 4)
         return Plan(queues=queues_out, unassigned=unassigned, policy=self.name, meta=meta)
 
@@ -652,12 +654,17 @@ class QLMPolicy(QueuePolicy):
             value,
         )
 
-    def _hw(self, inst: PlanInstance, model: str, ctx: float, ratio: float) -> HardwareProfile:
+    def _hw(
+        self, inst: PlanInstance, model: str, ctx: float, ratio: float, batch: int | None = None
+    ) -> HardwareProfile:
+        """The profile at the batch the instance runs: the KV share the agent fills, at most
+        ``batch`` sequences when fewer are there to run."""
+        cap = inst.max_batch_size if batch is None else max(1, min(batch, inst.max_batch_size))
         return self.estimator.profile(
             inst.gpu_type,
             model,
             inst.kv_capacity_tokens,
-            inst.max_batch_size,
+            cap,
             ctx,
             ratio,
             kv_fraction=self.config.kv_fill,
@@ -665,19 +672,25 @@ class QLMPolicy(QueuePolicy):
 
     def _profiles(
         self, priced: _Priced, live: list[PlanInstance], models: list[str], serve: np.ndarray
-    ) -> dict[tuple[int, int], HardwareProfile]:
-        """Each (instance, model) priced at the batch it runs: the KV share the agent fills
-        over the context a running sequence holds. A sequence stays in the batch in proportion
+    ) -> tuple[dict[tuple[int, int], HardwareProfile], dict[tuple[int, int], HardwareProfile]]:
+        """Each (instance, model) priced twice. Capacity (occupancy, what a request adds to the
+        wait of those behind it): at the batch a busy instance runs, the KV share the agent
+        fills over the context a running sequence holds. Latency (a request's own decode): at
+        the batch it will be part of, that one or, when fewer requests are there to run (what
+        runs there now of that model and its share of the queue), those: an instance that is
+        not full decodes faster than a full one. A sequence stays in the batch in proportion
         to its output, so that context is weighted by output: prompt + half the output of the
         requests as the batch holds them, E[O·(P + O/2)] / E[O], not of the requests as they
         arrive (long answers hold the cache longest; the arrival mean overstates the batch).
         Taken from the completions once there are enough of them (the mix actually served),
         from the queued requests before."""
         out: dict[tuple[int, int], HardwareProfile] = {}
+        lat: dict[tuple[int, int], HardwareProfile] = {}
         for m, model in enumerate(models):
             sel = priced.model_idx == m
             if not sel.any():
                 continue
+            share = math.ceil(int(sel.sum()) / max(int(serve[m].sum()), 1))
             flow = self._flow.get(model)
             if flow is not None and flow[0] >= FLOW_MIN:
                 ctx, ratio = flow[3] / flow[1], flow[2] / flow[1]
@@ -690,7 +703,9 @@ class QLMPolicy(QueuePolicy):
             for g, inst in enumerate(live):
                 if serve[m, g]:
                     out[(g, m)] = self._hw(inst, model, ctx, ratio)
-        return out
+                    running = inst.running if inst.active_model == model else 0
+                    lat[(g, m)] = self._hw(inst, model, ctx, ratio, batch=running + share)
+        return out, lat
 
     @staticmethod
     def _avg_batch(hw: Mapping[tuple[int, int], HardwareProfile], m: int) -> float:
@@ -721,6 +736,7 @@ class QLMPolicy(QueuePolicy):
         self,
         priced: _Priced,
         hw: Mapping[tuple[int, int], HardwareProfile],
+        lat: Mapping[tuple[int, int], HardwareProfile],
         live: list[PlanInstance],
         models: list[str],
         now: float,
@@ -737,8 +753,9 @@ class QLMPolicy(QueuePolicy):
             prompt = priced.prompt[sel]
             occ[sel, g] = prompt / p.prefill_tps + priced.out_mean[sel] / p.throughput_tps
             occ_var[sel, g] = priced.out_var[sel] / p.throughput_tps**2
-            pre = p.prefill_fixed_s + p.prefill_s_per_token * prompt
-            own[sel, g] = pre + priced.out_bound[sel] * p.token_time_s
+            q = lat[(g, m)]
+            pre = q.prefill_fixed_s + q.prefill_s_per_token * prompt
+            own[sel, g] = pre + priced.out_bound[sel] * q.token_time_s
             lst[sel, g] = np.minimum(priced.e2e[sel] - own[sel, g], priced.ttft[sel] - pre)
         drain = np.array([self._base(inst, g, hw, models) for g, inst in enumerate(live)])
         # -1: nothing loaded (the first model costs nothing); -2: a model none of the queued
@@ -1139,7 +1156,9 @@ class QLMPolicy(QueuePolicy):
         | None,
         priced: _Priced,
         live: list[PlanInstance],
-        hw: Mapping[tuple[int, int], HardwareProfile],
+        profiles: tuple[
+            Mapping[tuple[int, int], HardwareProfile], Mapping[tuple[int, int], HardwareProfile]
+        ],
         models: list[str],
         now: float,
     ) -> None:
@@ -1150,9 +1169,10 @@ class QLMPolicy(QueuePolicy):
         self._arrivals_since_plan = 0
         self._arrival_keys = {}
         self._rates = {}
+        hw, lat = profiles
         for (g, m), p in hw.items():
             self._rates[(live[g].instance_id, models[m])] = _Rate.of(
-                p, self._switch(live[g], p, models[m])
+                p, lat[(g, m)], self._switch(live[g], p, models[m])
             )
         self._lanes = {}
         if result is None:
