@@ -239,6 +239,13 @@ class _LaneState:
     pending_tokens: list[float] = field(default_factory=list)
     added_s: float = 0.0  # occupancy of feasible arrivals since the plan
 
+    def __post_init__(self) -> None:
+        # bisect and scalar reads on Python lists: on numpy arrays each comparison boxes a
+        # numpy scalar, several times slower, and place() runs once per instance per arrival
+        self._due: list[float] = self.due.tolist()
+        self._cum: list[float] = self.cum.tolist()
+        self._slack: list[float] = self.slack.tolist()
+
     @classmethod
     def empty(cls, s_per_token: float, swap_s: float = 0.0) -> _LaneState:
         return cls(
@@ -256,12 +263,19 @@ class _LaneState:
         work due no later, less what was dispatched since (the head goes first), plus the
         arrivals since the plan that sort before it, plus any queued work this state does not
         know (queued without place(), or before the first plan), counted as ahead."""
+        if load <= 0.0:
+            return 0.0  # nothing queued here
         dispatched = max(0.0, self.placed - load)
         unknown = max(0.0, load - self.placed)
-        p = bisect.bisect_right(self.due, due)
-        ahead = max(0.0, float(self.cum[p]) - dispatched)
+        ahead = max(0.0, self._cum[bisect.bisect_right(self._due, due)] - dispatched)
+        if not self.pending_due:
+            return unknown + ahead
         k = bisect.bisect_right(self.pending_due, due)
         return unknown + ahead + sum(self.pending_tokens[:k])
+
+    def slack_after(self, due: float) -> float:
+        """The least slack among the kept requests that sort after a key ``due``."""
+        return self._slack[min(bisect.bisect_right(self._due, due), len(self._slack) - 1)]
 
     def add_pending(self, due: float, tokens: float) -> None:
         k = bisect.bisect_right(self.pending_due, due)
@@ -278,6 +292,11 @@ class _LaneState:
         self.cum = np.concatenate(([0.0], np.cumsum(self.tokens)))
         self.slack = np.insert(self.slack, pos, np.inf)
         self.slack = np.minimum.accumulate(self.slack[::-1])[::-1]
+        self._due, self._cum, self._slack = (
+            self.due.tolist(),
+            self.cum.tolist(),
+            self.slack.tolist(),
+        )
         self.pending_due, self.pending_tokens = [], []
 
 
@@ -315,6 +334,7 @@ class QLMPolicy(QueuePolicy):
         self._arrival_keys: dict[str, tuple[Any, ...]] = {}  # arrivals placed since
         self._lanes: dict[str, _LaneState] = {}
         self._rates: dict[tuple[str, str], _Rate] = {}
+        self._default_rates: dict[tuple[Any, ...], _Rate] = {}  # before a plan priced them
         self._ctx: dict[str, tuple[float, float]] = {}  # model -> (context, prompt ratio)
         # model -> decayed [completions, Σ output, Σ prompt, Σ output·(prompt + output/2)]
         self._flow: dict[str, list[float]] = {}
@@ -414,13 +434,16 @@ class QLMPolicy(QueuePolicy):
         out_mean, out_bound = self._lengths_of(request)
         tokens = float(self.work_tokens(request))
         best: tuple[tuple[Any, ...], PlanInstance, float, float] | None = None
+        dues: dict[int, float] = {}  # identical instances share their rate: one due for all
         for inst in eligible:
             iid = inst.instance_id
             rate = self._rate(inst, request.model)
             queued = max(load.get(iid, 0.0), 0.0)
             lane = self._lane(iid, queued, rate)
-            pre = rate.prefill_fixed_s + rate.prefill_s_per_token * request.prompt_tokens
-            due = _latest_start(request, pre, pre + out_bound * rate.token_s)
+            due = dues.get(id(rate), math.nan)
+            if due != due:  # not priced yet (NaN)
+                pre = rate.prefill_fixed_s + rate.prefill_s_per_token * request.prompt_tokens
+                due = dues[id(rate)] = _latest_start(request, pre, pre + out_bound * rate.token_s)
             # a model the instance holds no work of: a new run (drain, then load)
             held = request.model in lane.models or inst.active_model in (None, request.model)
             swap = 0.0 if held else rate.switch_s + lane.swap_s
@@ -447,8 +470,7 @@ class QLMPolicy(QueuePolicy):
             lane.add_pending(due, tokens)
             lane.added_s += occ
             # §4: replan when the arrival pushes kept work behind it past its deadline
-            p = bisect.bisect_right(lane.due, due)
-            if float(lane.slack[min(p, len(lane.slack) - 1)]) < lane.added_s:
+            if lane.slack_after(due) < lane.added_s:
                 self._violation = True
         elif due > now:
             run = lane.ranks.setdefault(request.model, len(lane.ranks))
@@ -483,12 +505,20 @@ class QLMPolicy(QueuePolicy):
         """The (instance, model) timing of the last plan, else priced now at the context last
         seen for the model (before any plan; the batch: what runs there now plus this one)."""
         rate = self._rates.get((inst.instance_id, model))
-        if rate is None:
+        if rate is not None:
+            return rate
+        joins = inst.running + 1 if inst.active_model == model else 1
+        warm = inst.warm_models is None or model in inst.warm_models
+        key = (inst.gpu_type, model, inst.kv_capacity_tokens, inst.max_batch_size, joins, warm)
+        rate = self._default_rates.get(key)
+        if rate is None:  # an instance shape seen before costs a dict lookup (no replan
+            # may run for hours when queues stay short)
             ctx, ratio = self._ctx.get(model, (1024.0, 0.0))
             p = self._hw(inst, model, ctx, ratio)
-            joins = inst.running + 1 if inst.active_model == model else 1
             lat = self._hw(inst, model, ctx, ratio, batch=joins)
-            rate = _Rate.of(p, lat, self._switch(inst, p, model))
+            if len(self._default_rates) >= 4096:
+                self._default_rates.clear()
+            rate = self._default_rates[key] = _Rate.of(p, lat, self._switch(inst, p, model))
         return rate
 
     def _lane(self, iid: str, queued: float, rate: _Rate) -> _LaneState:
@@ -1168,7 +1198,7 @@ class QLMPolicy(QueuePolicy):
         self._violation = False
         self._arrivals_since_plan = 0
         self._arrival_keys = {}
-        self._rates = {}
+        self._rates, self._default_rates = {}, {}
         hw, lat = profiles
         for (g, m), p in hw.items():
             self._rates[(live[g].instance_id, models[m])] = _Rate.of(

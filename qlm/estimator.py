@@ -46,6 +46,12 @@ FALLBACK_MODEL = "mistral-7b"
 PRIOR_TABLES = ("sharegpt", "arxiv", "azure-conv", "azure-code", "max_tokens")
 
 
+@lru_cache(maxsize=64)
+def normal_quantile(q: float) -> float:
+    """Φ⁻¹(q), cached: scipy's ppf costs ~0.1 ms a call, and a few levels are asked for."""
+    return float(norm.ppf(q))
+
+
 @lru_cache(maxsize=256)
 def engine_profile(gpu_type: str, model: str) -> EngineProfile:
     """The engine profile of ``model`` on ``gpu_type``. Names the catalog does not know (unit
@@ -369,7 +375,7 @@ class OutputLengthModel:
             raise ValueError(f"q must lie in (0, 1), got {q!r}")
         caps = np.maximum(np.atleast_1d(np.asarray(max_tokens, dtype=np.float64)), 1.0)
         mean, var = self.predict(model, slo_class, caps)
-        return np.clip(mean + float(norm.ppf(q)) * np.sqrt(var), 1.0, caps)
+        return np.clip(mean + normal_quantile(q) * np.sqrt(var), 1.0, caps)
 
 
 # ------------------------------------------------------------------ the max of n (eq. 5)
