@@ -36,10 +36,12 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import dataclasses
 import heapq
 import itertools
 import math
 import time
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -72,6 +74,7 @@ PENDING_MAX = 64  # arrivals since the plan kept apart per instance before being
 ARRIVAL_KEYS_MAX = 65_536  # arrival sort keys remembered (only needed right after place())
 FLOW_WINDOW = 2048.0  # completions the served mix is averaged over (exponential decay)
 FLOW_MIN = 32.0  # completions of a model before its served mix replaces the queued one
+DISPATCH_MEMORY = 1024  # requests per instance remembered after they left its queue
 
 
 @dataclass(frozen=True)
@@ -188,6 +191,8 @@ class _Tables:
     switch: np.ndarray  # (I, M) loading each model
     swap: np.ndarray  # (I, M) a new run of each model: the drain before it and the load
     drain: np.ndarray  # (I,) until the running batch has finished (before a model switch)
+    first_slot: np.ndarray  # (I,) until a running request frees a slot (0: one is free)
+    evict: np.ndarray  # (I,) evicting the running batch: recomputing (or swapping) its KV
     init_model: np.ndarray  # (I,) model index loaded now, -1: none or unknown
     prio: np.ndarray  # (n,) starving: kept first, whatever it costs
     cost: np.ndarray  # (n,) displacement order: occupancy per unit of value (largest goes)
@@ -344,6 +349,12 @@ class QLMPolicy(QueuePolicy):
         self._half_out: dict[int, float] = {}
         self._last_detail: tuple[dict[str, float], float] | None = None
         self._models: list[str] = []  # of the plan being made
+        # what the plan does not see: the requests running on each instance. A request this
+        # policy placed or planned that is gone from the next snapshot left its queue in
+        # between; the latest ones to leave an instance are what runs there now
+        # id -> (iid, model, output, when, prompt); iid -> (model, output, left at, prompt)
+        self._seen: dict[str, tuple[str, str, float, float, int]] = {}
+        self._left: dict[str, deque[tuple[str, float, float, int]]] = {}
         self._tail_ranks: list[dict[str, int]] = []  # per instance: model -> its tail run
 
     # ------------------------------------------------------------------ interface
@@ -465,6 +476,7 @@ class QLMPolicy(QueuePolicy):
         lane = self._lanes[iid]
         lane.placed += tokens
         lane.models.add(request.model)
+        self._remember(request, iid, out_mean, now)
         if not infeasible:
             key: tuple[Any, ...] = (FEASIBLE, due, math.inf, request.seq)
             lane.add_pending(due, tokens)
@@ -488,6 +500,21 @@ class QLMPolicy(QueuePolicy):
                 del self._arrival_keys[old]
         self._arrival_keys[request.request_id] = key
         return iid
+
+    def _remember(self, r: PlanRequest, iid: str, out: float, now: float) -> None:
+        if len(self._seen) >= ARRIVAL_KEYS_MAX and r.request_id not in self._seen:
+            # bounded without replans (short queues): the oldest entries are long dispatched
+            for old in list(itertools.islice(self._seen, ARRIVAL_KEYS_MAX // 2)):
+                self._note_left(old, now)
+        self._seen[r.request_id] = (iid, r.model, out, now, r.prompt_tokens)
+
+    def _note_left(self, rid: str, now: float) -> None:
+        """``rid`` left its queue between when it was last seen there and ``now``."""
+        iid, model, out, seen, prompt = self._seen.pop(rid)
+        left = self._left.get(iid)
+        if left is None:
+            left = self._left[iid] = deque(maxlen=DISPATCH_MEMORY)
+        left.append((model, out, (seen + now) / 2, prompt))
 
     # ------------------------------------------------------------------ place() helpers
     def _lengths_of(self, r: PlanRequest) -> tuple[float, float]:
@@ -540,6 +567,9 @@ class QLMPolicy(QueuePolicy):
         t0 = time.perf_counter()
         budget_end = self._clock() + self.config.time_budget_s
         reqs = sorted(requests, key=lambda r: (r.seq, r.request_id))
+        queued = {r.request_id for r in reqs}
+        for rid in [rid for rid in self._seen if rid not in queued]:
+            self._note_left(rid, now)
         insts = sorted(instances, key=lambda i: i.instance_id)
         live = [i for i in insts if not i.draining]
         queues_out: dict[str, list[str]] = {i.instance_id: [] for i in insts}
@@ -574,6 +604,20 @@ class QLMPolicy(QueuePolicy):
         # -- candidates: request-level EDF on latest starts, and the group plan before and
         # after improvement (within what is left of the time budget)
         candidates: dict[str, _Walk] = {"edf": self._walk_edf(tab, priced, walkable, best_lst)}
+        # A full batch delays even requests of its own model until a slot frees. Evicting it
+        # (an LSO) lets them start now, and costs recomputing the batch's contexts: worth it
+        # when the requests it saves outnumber those that recompute time would have served
+        evict_wait = np.zeros(len(live))
+        full = tab.first_slot > 0
+        if full.any() and self.config.demote:
+            freed = dataclasses.replace(tab, first_slot=np.zeros(len(live)))
+            probe = self._walk_edf(freed, priced, walkable, best_lst)
+            occ = np.where(np.isfinite(tab.occ[walkable]), tab.occ[walkable], np.nan)
+            mean_occ = np.nan_to_num(np.nanmean(occ, axis=0), nan=1.0) if walkable.any() else 1.0
+            cost = float((tab.evict / np.maximum(mean_occ, 1e-6))[full].sum())
+            if probe.met - candidates["edf"].met > cost:
+                evict_wait = np.where(full, tab.first_slot, 0.0)
+                tab, candidates["edf"] = freed, probe
         problem: GroupProblem | None = None
         if self.config.group_candidates and walkable.sum() > 1:
             grouping = build_groups(
@@ -633,9 +677,12 @@ class QLMPolicy(QueuePolicy):
             meta["scale_up"]["unattainable_requests"] += int(hopeless.sum())
         else:
             meta["scale_up"] = {"needed": not feasible}
-        meta["lso"] = self._lso(final, priced, hw, tab, live, models)
+        meta["lso"] = self._lso(final, priced, hw, tab, live, models, evict_wait)
         for g, ids in enumerate(final):
-            queues_out[live[g].instance_id] = [reqs[i].request_id for i in ids]
+            iid = live[g].instance_id
+            queues_out[iid] = [reqs[i].request_id for i in ids]
+            for i in ids:
+                self._remember(reqs[i], iid, float(priced.out_mean[i]), now)
         self._adopt((final, detail, keys, tab), priced, live, (hw, lat), models, now)
         meta["replan_s"] = round(time.perf_counter() - t0, 4)
         return Plan(queues=queues_out, unassigned=unassigned, policy=self.name, meta=meta)
@@ -746,21 +793,42 @@ class QLMPolicy(QueuePolicy):
         warm = inst.warm_models is None or model in inst.warm_models
         return hwp.switch_in_s(warm)
 
-    def _base(self, inst: PlanInstance, g: int, hw: Mapping, models: list[str]) -> float:
-        """Until the running batch has finished (what a model switch waits for): each running
-        request with half its predicted output still to come, at the batch's throughput. A
-        request of the running model does not wait for it: slots free as requests finish."""
+    def _running(
+        self, inst: PlanInstance, g: int, hw: Mapping, lat: Mapping, models: list[str], now: float
+    ) -> tuple[float, float, float]:
+        """(until the first running request frees a slot, until the last one finishes, what
+        evicting them all costs) on an instance: what a request of the running model waits for
+        when the batch is full, what a model switch waits for, and the recompute (or swap,
+        whichever is cheaper) of their contexts. The running requests are the latest
+        ``running`` ones that left this instance's queue, each with its predicted output less
+        what it decoded since; any the policy never saw count with the model's mean context
+        and half its mean output to go."""
         if inst.running <= 0 or inst.active_model is None:
-            return 0.0
+            return 0.0, 0.0, 0.0
         model = inst.active_model
         m = models.index(model) if model in models else -1
-        p = hw.get((g, m))
-        if p is not None:
-            return inst.running * self._half_out.get(m, 128.0) / p.throughput_tps
-        # nothing of the running model is queued: its completions say how long it runs
+        if (g, m) in hw:
+            p, token_s = hw[(g, m)], lat[(g, m)].token_time_s
+        else:
+            ctx, ratio = self._ctx.get(model, (1024.0, 0.0))
+            p, token_s = self._hw(inst, model, ctx, ratio), self._rate(inst, model).token_s
+        per_token = min(p.recompute_s_per_token, 2 * p.kv_transfer_s_per_token)
         flow = self._flow.get(model)
-        half = flow[1] / flow[0] / 2 if flow is not None and flow[0] > 0 else 128.0
-        return inst.running * half * self._rate(inst, model).inv_tps
+        mean_out = flow[1] / flow[0] if flow is not None and flow[0] > 0 else 256.0
+        left, ctx_sum = [], 0.0
+        for mm, out, t, prompt in reversed(self._left.get(inst.instance_id, ())):
+            if mm != model:
+                continue
+            done = min((now - t) / token_s, out - 1.0)
+            left.append(out - done)
+            ctx_sum += prompt + done
+            if len(left) == inst.running:
+                break
+        unknown = inst.running - len(left)
+        left += [mean_out / 2] * unknown
+        ctx_sum += unknown * self._ctx.get(model, (1024.0, 0.0))[0]
+        slot = min(left) * token_s if inst.running >= p.batch else 0.0
+        return slot, max(left) * token_s, ctx_sum * per_token
 
     def _tables(
         self,
@@ -787,7 +855,10 @@ class QLMPolicy(QueuePolicy):
             pre = q.prefill_fixed_s + q.prefill_s_per_token * prompt
             own[sel, g] = pre + priced.out_bound[sel] * q.token_time_s
             lst[sel, g] = np.minimum(priced.e2e[sel] - own[sel, g], priced.ttft[sel] - pre)
-        drain = np.array([self._base(inst, g, hw, models) for g, inst in enumerate(live)])
+        running = [self._running(inst, g, hw, lat, models, now) for g, inst in enumerate(live)]
+        first_slot = np.array([r[0] for r in running])
+        drain = np.array([r[1] for r in running])
+        evict = np.array([r[2] for r in running])
         # -1: nothing loaded (the first model costs nothing); -2: a model none of the queued
         # requests uses (the first of them switches)
         init = np.array(
@@ -822,6 +893,8 @@ class QLMPolicy(QueuePolicy):
             switch,
             swap,
             drain,
+            first_slot,
+            evict,
             init,
             prio,
             cost,
@@ -1079,7 +1152,9 @@ class QLMPolicy(QueuePolicy):
         return queues, stats
 
     # ------------------------------------------------------------------ LSO
-    def _lso(self, queues, priced: _Priced, hw, tab: _Tables, live, models) -> dict[str, Any]:
+    def _lso(
+        self, queues, priced: _Priced, hw, tab: _Tables, live, models, evict_wait: np.ndarray
+    ) -> dict[str, Any]:
         out: dict[str, Any] = {}
         for g, inst in enumerate(live):
             q = queues[g]
@@ -1115,15 +1190,18 @@ class QLMPolicy(QueuePolicy):
                 ctx = int(priced.prompt[q[:64]].mean() + priced.out_mean[q[:64]].mean() / 2)
                 entry["preemption_mode"] = p.preemption_mode(ctx, inst.cpu_memory_bytes)
                 entry["head_requests"] = [priced.reqs[i].request_id for i in q[: p.batch]]
-                # Preempt the running batch only where the head waits for all of it: a switch
-                # to another model waits until the running requests have finished; one of the
-                # running model takes a slot as soon as any request finishes. So: a switch,
-                # the head misses if it waits for the drain, and meets if the batch is evicted
+                # Preempt the running batch where the head misses waiting for it and meets
+                # without: a switch to another model waits until the running requests have
+                # finished (then loads); one of the running model waits only for the first
+                # free slot, nothing while the batch has room, and is planned that way only
+                # where evicting was found worth its recompute (evict_wait)
                 head_lst = float(tab.lst[q[: p.batch], g].min())
-                switching = entry["model_switch"] and inst.running > 0
-                load = float(tab.switch[g, hm])
+                if entry["model_switch"] and inst.running > 0:
+                    ready, wait = float(tab.switch[g, hm]), float(tab.drain[g])
+                else:
+                    ready, wait = 0.0, float(evict_wait[g])
                 entry["preempt_running"] = bool(
-                    switching and math.isfinite(head_lst) and load <= head_lst < load + tab.drain[g]
+                    math.isfinite(head_lst) and ready <= head_lst < ready + wait
                 )
             out[inst.instance_id] = entry
         return out
@@ -1251,7 +1329,7 @@ class _Timing:
 def _lane_times(tab: _Tables, g: int, order: list[int]) -> _Timing:
     """Start (and its variance) of each request of one queue, in order: occupancies add up
     (eq. 2); a model switch waits for the previous run's last completion, then loads."""
-    t = var = 0.0
+    t, var = float(tab.first_slot[g]), 0.0
     model = int(tab.init_model[g])
     run_end = float(tab.drain[g])
     starts, vars_, switches = [], [], 0
@@ -1298,7 +1376,12 @@ class _Walker:
         self.value: list[float] = priced.value.tolist()
         self.gone = [False] * len(self.model)
         self.lanes = [
-            _Lane(model=int(tab.init_model[g]), run_end=float(tab.drain[g])) for g in range(n_inst)
+            _Lane(
+                t=float(tab.first_slot[g]),
+                model=int(tab.init_model[g]),
+                run_end=float(tab.drain[g]),
+            )
+            for g in range(n_inst)
         ]
         self.tail: list[int] = []
 

@@ -116,9 +116,10 @@ def test_a_tie_goes_to_fewer_model_switches() -> None:
 
 
 def test_preemption_only_where_the_head_waits_for_a_drain() -> None:
-    """Same model: a free slot comes as soon as any running request finishes, so the running
-    batch is never preempted. A switch waits for the whole batch: preempt when the head
-    misses waiting for it and meets without."""
+    """A switch waits for the whole running batch: preempt when the head misses waiting for
+    it and meets without. A request of the running model waits for nothing while the batch
+    has room (200 running on a 256 cap with 400k tokens of KV: the requests the policy never
+    saw count as typical ones)."""
     both = ("mistral-7b", "vicuna-13b")
     busy = inst(models=both, active_model="vicuna-13b", running=200)
     same = QLMPolicy().plan([req("u", 12.0, 50, model="vicuna-13b")], [busy], NOW)
@@ -139,6 +140,26 @@ def test_preemption_only_where_the_head_waits_for_a_drain() -> None:
         "head_requests",
         "preempt_running",
     }
+
+
+def test_a_full_batch_of_long_requests_is_preempted_for_urgent_ones() -> None:
+    """Eight 3,000-token requests fill an 8-sequence engine (the policy planned them, then
+    they left the queue): the next slot frees in tens of seconds, so ten urgent requests of
+    the same model (2 s) can only make it if the batch is evicted, which costs far less than
+    it saves. Short running requests free a slot at once: no eviction."""
+    eight = inst(max_batch=8, active_model="mistral-7b")
+    for length, expect in ((3000, True), (30, False)):
+        pol = QLMPolicy()
+        batch = [req(f"b{k}", 3600.0, length, prompt=500, seq=k) for k in range(8)]
+        pol.plan(batch, [eight], NOW)
+        running = PlanInstance(
+            "i0", ("mistral-7b",), A100, 400_000, 8, active_model="mistral-7b", running=8
+        )
+        urgent = [req(f"c{k}", 2.0, 50, prompt=100, seq=10 + k) for k in range(10)]
+        plan = pol.plan(urgent, [running], NOW + 1.0)
+        assert plan.meta["lso"]["i0"]["preempt_running"] is expect, length
+        if expect:
+            assert plan.meta["predicted_met"] >= 8
 
 
 def test_the_lane_state_counts_the_work_ahead_exactly() -> None:
