@@ -198,6 +198,9 @@ class _Tables:
     cost: np.ndarray  # (n,) displacement order: occupancy per unit of value (largest goes)
     has_deadline: np.ndarray  # (n,)
     model_idx: np.ndarray  # (n,)
+    # (I,) instances with the same profiles for every model (same shape): identical columns
+    # above, shared by the walk instead of copied per instance
+    lane_class: np.ndarray
 
 
 @dataclass
@@ -208,6 +211,7 @@ class _Lane:
     var: float = 0.0  # variance of t (sum of the occupancies' variances)
     model: int = -1  # model of the current run (-1: none yet)
     run_end: float = 0.0  # latest completion in the current run: a switch waits for it
+    sd: float = 0.0  # sqrt(var), kept beside it: read for every request the walk places
     heap: list[tuple[float, int]] = field(default_factory=list)  # (-cost, k): this run's kept
     kept: list[int] = field(default_factory=list)
     later: list[int] = field(default_factory=list)  # no-deadline requests displaced: still met
@@ -878,6 +882,18 @@ class QLMPolicy(QueuePolicy):
         best_occ = np.where(np.isfinite(occ), occ, np.inf).min(axis=1) if n_inst else np.ones(n)
         # a request without a deadline is met wherever it waits: it gives way first
         cost = np.where(has_deadline, best_occ / np.maximum(priced.value, 1e-12), np.inf)
+        # profiles are cached objects: the same object for the same instance shape and batch
+        signature: dict[tuple[int, ...], int] = {}
+        lane_class = np.array(
+            [
+                signature.setdefault(
+                    tuple(x for m in range(M) for x in (id(hw.get((g, m))), id(lat.get((g, m))))),
+                    g,
+                )
+                for g in range(n_inst)
+            ],
+            dtype=np.int64,
+        )
         # a new model run waits for the previous one to drain: about a typical request's own
         # time there (then the load)
         typical = np.zeros(n_inst)
@@ -900,6 +916,7 @@ class QLMPolicy(QueuePolicy):
             cost,
             has_deadline,
             priced.model_idx,
+            lane_class,
         )
 
     # ------------------------------------------------------------------ candidates
@@ -915,20 +932,29 @@ class QLMPolicy(QueuePolicy):
         w = self._walker(tab, priced)
         idx = np.flatnonzero(walkable)
         order = idx[np.lexsort((priced.seq[idx], best_lst[idx], ~tab.prio[idx]))]
-        lanes_of: dict[int, list[int]] = {}
+        lanes_of: dict[int, list[tuple[int, _Lane, list[float], list[float]]]] = {}
+        z, model, inf = w.z, w.model, math.inf
         for k in order.tolist():
-            m = w.model[k]
+            m = model[k]
             cands = lanes_of.get(m)
             if cands is None:
-                cands = lanes_of[m] = np.flatnonzero(np.isfinite(tab.occ[k])).tolist()
-            best: tuple[bool, float, int] | None = None
-            for g in cands:
-                start, var = w.start(g, k)
-                rank = (start + w.z * math.sqrt(var) > w.lst[g][k], start, g)
-                if best is None or rank < best:
-                    best = rank
-            if best is not None:
-                w.step(best[2], k)
+                cands = lanes_of[m] = [
+                    (g, w.lanes[g], w.lst[g], w.switch[g])
+                    for g in np.flatnonzero(np.isfinite(tab.occ[k])).tolist()
+                ]
+            # the lowest (misses, start, index): written out, this runs n × instances times
+            best_g, best_start, best_miss = -1, inf, True
+            for g, lane, lst, switch in cands:
+                lm = lane.model
+                if lm == -1 or lm == m:
+                    start = lane.t
+                else:
+                    start = (lane.t if lane.t > lane.run_end else lane.run_end) + switch[m]
+                miss = start + z * lane.sd > lst[k]
+                if (miss < best_miss) or (miss == best_miss and start < best_start):
+                    best_g, best_start, best_miss = g, start, miss
+            if best_g >= 0:
+                w.step(best_g, k)
         return w.result()
 
     def _walk_lanes(self, orders: list[list[int]], tab: _Tables, priced: _Priced) -> _Walk:
@@ -1009,7 +1035,7 @@ class QLMPolicy(QueuePolicy):
             for pos, k in enumerate(head):
                 rid = reqs[k].request_id
                 keys[rid] = (FEASIBLE, float(due[pos]), pos, int(priced.seq[k]))
-                done[rid] = timing[g].start[pos] + float(tab.own[k, g])
+                done[rid] = float(timing[g].start[pos]) + float(tab.own[k, g])
             # the tail in model runs: first the model the kept work ends with (or the one
             # loaded), then the others in the order their first request comes
             last = int(tab.model_idx[head[-1]]) if head else int(tab.init_model[g])
@@ -1297,7 +1323,7 @@ class QLMPolicy(QueuePolicy):
             timing = _lane_times(tab, g, kept)
             due = np.array([keys[reqs[k].request_id][1] for k in kept], dtype=np.float64)
             toks = tokens_of[kept] if kept else np.zeros(0)
-            start = np.asarray(timing.start) + self.z * np.sqrt(np.asarray(timing.var))
+            start = timing.start + self.z * np.sqrt(timing.var)
             slack = tab.lst[kept, g] - start if kept else np.zeros(0)
             suffix = np.minimum.accumulate(np.append(slack, np.inf)[::-1])[::-1]
             planned = float(tokens_of[q].sum()) if q else 0.0
@@ -1320,33 +1346,38 @@ class QLMPolicy(QueuePolicy):
 
 @dataclass
 class _Timing:
-    start: list[float]
-    var: list[float]
+    start: np.ndarray
+    var: np.ndarray
     switches: int
     end: float
 
 
 def _lane_times(tab: _Tables, g: int, order: list[int]) -> _Timing:
     """Start (and its variance) of each request of one queue, in order: occupancies add up
-    (eq. 2); a model switch waits for the previous run's last completion, then loads."""
-    t, var = float(tab.first_slot[g]), 0.0
-    model = int(tab.init_model[g])
-    run_end = float(tab.drain[g])
-    starts, vars_, switches = [], [], 0
-    mi = tab.model_idx
-    for k in order:
-        m = int(mi[k])
+    (eq. 2); a model switch waits for the previous run's last completion, then loads.
+    Vectorised run by run (a queue holds few model runs and many requests)."""
+    t, run_end = float(tab.first_slot[g]), float(tab.drain[g])
+    if not order:
+        return _Timing(np.zeros(0), np.zeros(0), 0, 0.0)
+    idx = np.asarray(order)
+    mi, occ, own = tab.model_idx[idx], tab.occ[idx, g], tab.own[idx, g]
+    cum_var = np.cumsum(tab.occ_var[idx, g])
+    var = np.concatenate(([0.0], cum_var[:-1]))
+    start = np.empty(len(idx))
+    cuts = np.flatnonzero(mi[1:] != mi[:-1]) + 1
+    model, switches = int(tab.init_model[g]), 0
+    for a, b in zip(np.concatenate(([0], cuts)), np.concatenate((cuts, [len(idx)])), strict=True):
+        m = int(mi[a])
         if model != -1 and m != model:
             t = max(t, run_end) + float(tab.switch[g, m])
             run_end = 0.0
             switches += 1
         model = m
-        starts.append(t)
-        vars_.append(var)
-        run_end = max(run_end, t + float(tab.own[k, g]))
-        t += float(tab.occ[k, g])
-        var += float(tab.occ_var[k, g])
-    return _Timing(starts, vars_, switches, max(t, run_end if order else 0.0))
+        cum = np.cumsum(occ[a:b])
+        start[a:b] = t + cum - occ[a:b]
+        run_end = max(run_end, float((start[a:b] + own[a:b]).max()))
+        t += float(cum[-1])
+    return _Timing(start, var, switches, max(t, run_end))
 
 
 class _Walker:
@@ -1365,15 +1396,20 @@ class _Walker:
         self.demote = demote
         n_inst = tab.occ.shape[1]
         self.model: list[int] = priced.model_idx.tolist()
-        self.occ = [tab.occ[:, g].tolist() for g in range(n_inst)]
-        self.var = [tab.occ_var[:, g].tolist() for g in range(n_inst)]
-        self.own = [tab.own[:, g].tolist() for g in range(n_inst)]
-        self.lst = [tab.lst[:, g].tolist() for g in range(n_inst)]
+        columns: dict[int, tuple[list[float], ...]] = {}
+        for c in dict.fromkeys(tab.lane_class.tolist()):
+            columns[c] = tuple(a[:, c].tolist() for a in (tab.occ, tab.occ_var, tab.own, tab.lst))
+        per_lane = [columns[int(c)] for c in tab.lane_class]
+        self.occ = [col[0] for col in per_lane]
+        self.var = [col[1] for col in per_lane]
+        self.own = [col[2] for col in per_lane]
+        self.lst = [col[3] for col in per_lane]
         self.switch = tab.switch.tolist()
         self.prio: list[bool] = tab.prio.tolist()
         self.cost: list[float] = tab.cost.tolist()
         self.has_deadline: list[bool] = tab.has_deadline.tolist()
         self.value: list[float] = priced.value.tolist()
+        self.values = priced.value
         self.gone = [False] * len(self.model)
         self.lanes = [
             _Lane(
@@ -1415,6 +1451,7 @@ class _Walker:
         lane.kept.append(k)
         lane.t = start + self.occ[g][k]
         lane.var = var + self.var[g][k]
+        lane.sd = math.sqrt(lane.var)
         lane.run_end = max(lane.run_end, start + self.own[g][k])
         if not self.prio[k]:
             heapq.heappush(lane.heap, (-self.cost[k], k))
@@ -1439,6 +1476,7 @@ class _Walker:
         (lane.later if no_deadline else self.tail).append(j)
         lane.t -= occ_j
         lane.var = max(lane.var - var_j, 0.0)
+        lane.sd = math.sqrt(lane.var)
         return True
 
     def result(self) -> _Walk:
@@ -1450,14 +1488,13 @@ class _Walker:
             timing = _lane_times(tab, g, order)
             switches += timing.switches
             makespan = max(makespan, timing.end)
-            for pos, k in enumerate(order):
-                ok = not self.has_deadline[k] or (
-                    not self.prio[k]
-                    and timing.start[pos] + self.z * math.sqrt(timing.var[pos]) <= self.lst[g][k]
-                )
-                if ok:
-                    met += 1
-                    worth += self.value[k]
+            if not order:
+                continue
+            idx = np.asarray(order)
+            meets = timing.start + self.z * np.sqrt(timing.var) <= tab.lst[idx, g]
+            ok = ~tab.has_deadline[idx] | (~tab.prio[idx] & meets)
+            met += int(ok.sum())
+            worth += float(self.values[idx][ok].sum())
         return _Walk(self.lanes, self.tail, met, worth, switches, makespan)
 
 
