@@ -2,8 +2,8 @@
 
 The issue's bar: on cases small enough to solve exactly (≤ 20 groups), the planner's plan
 predicts at most 2 % fewer requests meeting their SLO than a 120 s exact MILP
-(:func:`qlm.planner.milp.solve_exact`). A benchmark, not a test (``tests/unit/test_planner.py`` holds a
-small, fast version of the same comparison).
+(:func:`qlm.planner.milp.solve_exact`). A benchmark, not a test
+(``tests/unit/test_planner.py`` holds a small, fast version of the same comparison).
 
 **Problems** (:func:`synthetic_problem`, seeded). ``n_groups`` request groups of two models
 over ``n_queues`` instances:

@@ -2,33 +2,46 @@
 
 One replan (``plan``):
 
-1. predict each request's output length (mean, variance) from the workload profile
-   (:class:`qlm.estimator.OutputLengthModel`), and price it on every instance that serves its
-   model with the hardware profile of that (GPU, model) (:mod:`qlm.estimator`);
-2. group requests (:func:`qlm.grouping.build_groups`, Algorithm 1);
-3. build the group problem (:class:`qlm.planner.milp.GroupProblem`) with the Δ-quantile
-   deterministic equivalents and solve it *by structure*: a greedy incumbent (EDF over groups,
-   model affinity, swap costs, hopeless groups deferred), best-improvement local search, then a
-   rolling horizon — the head of each queue re-ordered exactly by a small MILP (cvxpy/HiGHS) —
-   all under a hard time budget;
-4. score every candidate (the group plan before and after improvement, and request-level EDF)
-   request by request with the RCT estimator at the chance level Δ, and return the best. On a
-   tie, or when no candidate meets every SLO, EDF wins ties: the paper's fallback (A.3).
+1. predict each request's output length (mean, variance, and a Δ-quantile bound) from the
+   workload profile (:class:`qlm.estimator.OutputLengthModel`, or the per-request forest), and
+   price it on every instance that serves its model at the batch that instance actually runs
+   (the KV share the agent fills, at the duration-weighted context of the queued mix);
+2. per request and instance: its *occupancy* (what it adds to the wait of everyone behind it,
+   eq. 2) and its *latest start*: the deadline minus its own prefill and decode at the length
+   bound (eqs. 1, 4). A request that misses even if it started now is hopeless: it goes
+   straight to the best-effort tail;
+3. candidate orders: request-level EDF on latest starts (each request to the instance where it
+   starts first, model switches priced), and the group plan (:func:`qlm.grouping.build_groups`,
+   Algorithm 1; greedy incumbent, local search, rolling-horizon MILP, :mod:`qlm.planner.milp`) that
+   decides placement and model runs;
+4. every candidate is walked queue by queue with per-request feasibility (Moore-Hodgson): a
+   request predicted to miss where it stands either displaces the costliest request of the
+   same model run ahead of it (when that lets it in: one for one, cheaper work kept) or is
+   demoted to the best-effort tail, so work that can no longer make its deadline stops
+   consuming capacity that feasible work needs;
+5. the candidate with the most requests predicted to meet their SLO wins; ties go to fewer
+   model switches, then the shorter makespan (a tie no longer hands the drain to EDF).
 
-Also in the plan's ``meta``: ``lso`` (per instance: active/warm/cold models, whether the head
-group should preempt the running batch and by swap or eviction) and ``scale_up`` (how many
-more instances of which GPU type would make the plan feasible). ``place`` joins an arrival to
-its nearest group in O(k) and flags a predicted violation for :meth:`wants_replan`.
+The queue of an instance is its kept requests in order, then the tail: first the requests
+displaced but still able to make it (by latest start), then the hopeless ones (FCFS). Also in
+the plan's ``meta``: ``lso`` (per instance: active/warm/cold models, whether the head should
+preempt the running batch and by swap or eviction) and ``scale_up`` (how many more instances of
+which GPU type would make the plan feasible). ``place`` decides an arrival in O(instances ·
+log n): its latest start against the planned work due before it on each instance; feasible, it
+sorts at its EDF position, ahead of the tail; infeasible, into the tail, and a replan is asked
+for when one could make room for it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import bisect
 import dataclasses
+import heapq
 import itertools
 import math
 import time
-from collections import Counter
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,9 +50,9 @@ import numpy as np
 import structlog
 from scipy.stats import norm
 
+from qlm.engine_scheduler import KV_SATURATED_FRACTION
 from qlm.estimator import HardwareProfile, OutputLengthModel, RCTEstimator
-from qlm.grouping import GroupIndex, GroupingConfig, build_groups, request_features
-from qlm.planner.baselines import EDFPolicy
+from qlm.grouping import GroupingConfig, build_groups
 from qlm.planner.milp import (
     GroupProblem,
     WorkClock,
@@ -62,10 +75,18 @@ from qlm.service_gain import W_IN, W_OUT
 
 log = structlog.get_logger(__name__)
 
+FEASIBLE, TAIL = 0, 1  # first element of a sort key: kept work, then the best-effort tail
+ALIVE, HOPELESS = 0, 1  # second element of a tail key
+PENDING_MAX = 64  # arrivals since the plan kept apart per instance before being merged in
+ARRIVAL_KEYS_MAX = 65_536  # arrival sort keys remembered (only needed right after place())
+FLOW_WINDOW = 2048.0  # completions the served mix is averaged over (exponential decay)
+FLOW_MIN = 32.0  # completions of a model before its served mix replaces the queued one
+DISPATCH_MEMORY = 1024  # requests per instance remembered after they left its queue
+
 
 @dataclass(frozen=True)
 class QLMConfig:
-    slo_quantile: float = 0.9  # Δ of eq. 12
+    slo_quantile: float = 0.9  # Δ of eq. 12; also the quantile of the output-length bound
     grouping: GroupingConfig = field(default_factory=GroupingConfig)
     # Until completions are observed, assume each request may use its whole max_tokens (the
     # conservative prior); "sharegpt" etc. use a shipped length table instead.
@@ -73,8 +94,8 @@ class QLMConfig:
     # "normal": the per-group fit above; "forest": per-request quantile regression forest once
     # it has 256 completions of a model (qlm/length_forest.py, docs/length-bound.md)
     length_model: str = "normal"
-    # False keeps max_tokens out of the forest's features: needed where it is derived from the
-    # true output (the simulator's clairvoyant_max_tokens variant), which would leak the answer
+    # keep max_tokens out of the forest's features: the simulator derives it from the true
+    # output (max_tokens = ceil(output × slack)), which would leak the answer
     length_cap_feature: bool = True
     time_budget_s: float = 0.3  # improvement phases stop here (measured from plan() start)
     scale_up_budget_s: float = 0.05
@@ -89,13 +110,26 @@ class QLMConfig:
     # give the same plan on any machine (the simulator's default)
     budget_clock: str = "wall"
     max_plan_age_s: float = 30.0
-    drift_threshold: float = 4.0
-    starvation_factor: float = 1.0  # overdue by more than this × own SLO: served first
+    # Overdue by more than this × its own SLO: served first, ahead of work that can still
+    # meet its SLO. Off by default: every request served late in sustained overload displaces
+    # one that could have made it, and once the feasible work is done the tail is served
+    # oldest first anyway; a finite factor bounds the wait of hopeless requests at that cost
+    starvation_factor: float = math.inf
     scale_up_max: int = 256
-    balance_factor: float = 2.0  # place(): leave a group's queue above this × the lightest
     # what the plan maximises: "attainment" (requests meeting their SLO, the QLM paper) or
     # "service-gain" (Tempo: w_in·prompt + w_out·output tokens of the requests meeting it)
     objective: str = "attainment"
+    # Share of the KV cache the running batch fills: the agent stops pulling above the
+    # engine's saturation threshold, so the batch it runs is this share of the cache over the
+    # context a running sequence holds, not the whole cache (the batch the per-token time and
+    # Θ are taken at)
+    kv_fill: float = KV_SATURATED_FRACTION
+    # Per-request feasibility (Moore-Hodgson displacement, best-effort tail). False keeps
+    # every request in its candidate's order (the comparison point for what demotion buys)
+    demote: bool = True
+    # Candidate orders from the group plan (greedy, local search, MILP) beside request-level
+    # EDF; they decide model runs where instances serve several models
+    group_candidates: bool = True
 
     def __post_init__(self) -> None:
         if not 0.5 <= self.slo_quantile < 1:
@@ -106,6 +140,8 @@ class QLMConfig:
             raise ValueError("time_budget_s must be >= 0 and head_groups >= 1")
         if self.objective not in ("attainment", "service-gain"):
             raise ValueError("objective must be 'attainment' or 'service-gain'")
+        if not 0 < self.kv_fill <= 1:
+            raise ValueError("kv_fill must be in (0, 1]")
 
 
 @dataclass
@@ -117,6 +153,7 @@ class _Priced:
     prompt: np.ndarray
     out_mean: np.ndarray
     out_var: np.ndarray
+    out_bound: np.ndarray  # the Δ-quantile of the output length (the feasibility bound)
     deadline: np.ndarray  # effective e2e deadline, s from now (inf: none)
     e2e: np.ndarray  # e2e deadline only, s from now
     ttft: np.ndarray  # ttft deadline, s from now
@@ -124,6 +161,159 @@ class _Priced:
     # what meeting each request's SLO is worth: 1 (attainment), or its expected service gain
     # over the mean one (service-gain; normalised so the tie-break weights keep their scale)
     value: np.ndarray
+
+
+@dataclass(frozen=True)
+class _Rate:
+    """One (instance, model)'s timing at the batch it runs: what place() needs."""
+
+    token_s: float  # seconds per output token of one request inside the batch (ε·d)
+    prefill_fixed_s: float
+    prefill_s_per_token: float
+    inv_prefill_tps: float  # 1/Π
+    inv_tps: float  # 1/Θ
+    switch_s: float  # loading the model (warm or cold)
+
+    @classmethod
+    def of(cls, capacity: HardwareProfile, latency: HardwareProfile, switch_s: float) -> _Rate:
+        """Occupancy from the full batch's throughput, own time from the batch run now."""
+        return cls(
+            latency.token_time_s,
+            latency.prefill_fixed_s,
+            latency.prefill_s_per_token,
+            1.0 / capacity.prefill_tps,
+            1.0 / capacity.throughput_tps,
+            switch_s,
+        )
+
+
+@dataclass
+class _Tables:
+    """Per request × instance timing of one replan (seconds; s from now for the starts)."""
+
+    occ: np.ndarray  # (n, I) occupancy: what it adds to the wait of those behind it (eq. 2)
+    occ_var: np.ndarray  # (n, I) its variance
+    own: np.ndarray  # (n, I) prefill + decode at the length bound, once started (eqs. 1, 4)
+    lst: np.ndarray  # (n, I) latest start that meets every deadline (-inf: not served there)
+    switch: np.ndarray  # (I, M) loading each model
+    swap: np.ndarray  # (I, M) a new run of each model: the drain before it and the load
+    drain: np.ndarray  # (I,) until the running batch has finished (before a model switch)
+    first_slot: np.ndarray  # (I,) until a running request frees a slot (0: one is free)
+    evict: np.ndarray  # (I,) evicting the running batch: recomputing (or swapping) its KV
+    init_model: np.ndarray  # (I,) model index loaded now, -1: none or unknown
+    prio: np.ndarray  # (n,) starving: kept first, whatever it costs
+    cost: np.ndarray  # (n,) displacement order: occupancy per unit of value (largest goes)
+    has_deadline: np.ndarray  # (n,)
+    model_idx: np.ndarray  # (n,)
+    # (I,) instances with the same profiles for every model (same shape): identical columns
+    # above, shared by the walk instead of copied per instance
+    lane_class: np.ndarray
+
+
+@dataclass
+class _Lane:
+    """One instance's queue while a candidate order is walked."""
+
+    t: float = 0.0  # when the next request of the current run would start
+    var: float = 0.0  # variance of t (sum of the occupancies' variances)
+    model: int = -1  # model of the current run (-1: none yet)
+    run_end: float = 0.0  # latest completion in the current run: a switch waits for it
+    sd: float = 0.0  # sqrt(var), kept beside it: read for every request the walk places
+    heap: list[tuple[float, int]] = field(default_factory=list)  # (-cost, k): this run's kept
+    kept: list[int] = field(default_factory=list)
+    later: list[int] = field(default_factory=list)  # no-deadline requests displaced: still met
+    switches: int = 0
+
+
+@dataclass
+class _Walk:
+    """A candidate after the feasibility walk."""
+
+    lanes: list[_Lane]
+    tail: list[int]  # demoted (displaced or hopeless), not yet on an instance
+    met: int
+    worth: float
+    switches: int
+    makespan: float
+
+
+@dataclass
+class _LaneState:
+    """What place() knows of an instance's queue since the last plan: the planned kept work
+    sorted by key (latest start, running max) with its work tokens, and the arrivals since."""
+
+    due: np.ndarray  # running max of the kept requests' latest starts (absolute s)
+    tokens: np.ndarray  # work tokens of each kept request
+    cum: np.ndarray  # prefix sums of tokens (len + 1)
+    slack: np.ndarray  # suffix minimum of the kept requests' slack (s), len + 1 (inf at end)
+    s_per_token: float  # occupancy seconds per work token on this instance
+    placed: float  # work tokens planned or placed here since the plan (kept and tail)
+    models: set[str] = field(default_factory=set)  # models it holds work of, or has loaded
+    ranks: dict[str, int] = field(default_factory=dict)  # model -> its run in the tail
+    swap_s: float = 0.0  # a new model run here: the drain before it (the load is per model)
+    pending_due: list[float] = field(default_factory=list)  # arrivals since the plan, sorted
+    pending_tokens: list[float] = field(default_factory=list)
+    added_s: float = 0.0  # occupancy of feasible arrivals since the plan
+
+    def __post_init__(self) -> None:
+        # bisect and scalar reads on Python lists: on numpy arrays each comparison boxes a
+        # numpy scalar, several times slower, and place() runs once per instance per arrival
+        self._due: list[float] = self.due.tolist()
+        self._cum: list[float] = self.cum.tolist()
+        self._slack: list[float] = self.slack.tolist()
+
+    @classmethod
+    def empty(cls, s_per_token: float, swap_s: float = 0.0) -> _LaneState:
+        return cls(
+            np.zeros(0),
+            np.zeros(0),
+            np.zeros(1),
+            np.full(1, np.inf),
+            s_per_token,
+            0.0,
+            swap_s=swap_s,
+        )
+
+    def ahead_tokens(self, due: float, load: float) -> float:
+        """Work tokens still queued here ahead of a request whose key is ``due``: the kept
+        work due no later, less what was dispatched since (the head goes first), plus the
+        arrivals since the plan that sort before it, plus any queued work this state does not
+        know (queued without place(), or before the first plan), counted as ahead."""
+        if load <= 0.0:
+            return 0.0  # nothing queued here
+        dispatched = max(0.0, self.placed - load)
+        unknown = max(0.0, load - self.placed)
+        ahead = max(0.0, self._cum[bisect.bisect_right(self._due, due)] - dispatched)
+        if not self.pending_due:
+            return unknown + ahead
+        k = bisect.bisect_right(self.pending_due, due)
+        return unknown + ahead + sum(self.pending_tokens[:k])
+
+    def slack_after(self, due: float) -> float:
+        """The least slack among the kept requests that sort after a key ``due``."""
+        return self._slack[min(bisect.bisect_right(self._due, due), len(self._slack) - 1)]
+
+    def add_pending(self, due: float, tokens: float) -> None:
+        k = bisect.bisect_right(self.pending_due, due)
+        self.pending_due.insert(k, due)
+        self.pending_tokens.insert(k, tokens)
+        if len(self.pending_due) > PENDING_MAX:
+            self._merge()
+
+    def _merge(self) -> None:
+        """Fold the arrivals into the sorted arrays (amortised: once every PENDING_MAX)."""
+        pos = np.searchsorted(self.due, self.pending_due, side="right")
+        self.due = np.insert(self.due, pos, self.pending_due)
+        self.tokens = np.insert(self.tokens, pos, self.pending_tokens)
+        self.cum = np.concatenate(([0.0], np.cumsum(self.tokens)))
+        self.slack = np.insert(self.slack, pos, np.inf)
+        self.slack = np.minimum.accumulate(self.slack[::-1])[::-1]
+        self._due, self._cum, self._slack = (
+            self.due.tolist(),
+            self.cum.tolist(),
+            self.slack.tolist(),
+        )
+        self.pending_due, self.pending_tokens = [], []
 
 
 class QLMPolicy(QueuePolicy):
@@ -156,29 +346,41 @@ class QLMPolicy(QueuePolicy):
         self.estimator = RCTEstimator(lengths)
         self._forest_refresh: asyncio.Task[Any] | None = None
         # -- state kept between plans for place()/sort_key()/wants_replan()
-        self._keys: dict[str, tuple[float, int]] = {}
-        self._index = GroupIndex()
-        self._group_inst: dict[int, str] = {}
-        self._inst_groups: dict[str, set[int]] = {}  # instance -> its groups, for pruning
-        self._group_last_pos: dict[int, float] = {}
-        self._group_size: dict[int, int] = {}
-        self._plan_len: dict[str, int] = {}
-        self._suffix_slack: dict[str, np.ndarray] = {}
-        self._added: dict[str, float] = {}
-        self._theta: dict[tuple[str, str], float] = {}
-        self._next_gid = 0
+        self._keys: dict[str, tuple[Any, ...]] = {}  # the last plan's sort keys
+        self._arrival_keys: dict[str, tuple[Any, ...]] = {}  # arrivals placed since
+        self._lanes: dict[str, _LaneState] = {}
+        self._rates: dict[tuple[str, str], _Rate] = {}
+        self._default_rates: dict[tuple[Any, ...], _Rate] = {}  # before a plan priced them
+        self._ctx: dict[str, tuple[float, float]] = {}  # model -> (context, prompt ratio)
+        # model -> decayed [completions, Σ output, Σ prompt, Σ output·(prompt + output/2)]
+        self._flow: dict[str, list[float]] = {}
         self._planned_at: float | None = None
         self._violation = False
         self._arrivals_since_plan = 0
         self._half_out: dict[int, float] = {}
-        self._completion: dict[str, np.ndarray] = {}
-        self._last_detail: tuple[Any, Any, list[PlanRequest], float] | None = None
+        self._last_detail: tuple[dict[str, float], float] | None = None
+        self._models: list[str] = []  # of the plan being made
+        # what the plan does not see: the requests running on each instance. A request this
+        # policy placed or planned that is gone from the next snapshot left its queue in
+        # between; the latest ones to leave an instance are what runs there now
+        # id -> (iid, model, output, when, prompt); iid -> (model, output, left at, prompt)
+        self._seen: dict[str, tuple[str, str, float, float, int]] = {}
+        self._left: dict[str, deque[tuple[str, float, float, int]]] = {}
+        self._tail_ranks: list[dict[str, int]] = []  # per instance: model -> its tail run
 
     # ------------------------------------------------------------------ interface
     def sort_key(self, request: PlanRequest) -> tuple[Any, ...]:
-        """(position of the request's group in its queue, arrival seq): planned requests keep
-        their planned position; an arrival sorts right after its group's last member."""
-        return self._keys.get(request.request_id, (math.inf, request.seq))
+        """(FEASIBLE, latest start (running max along the planned order), position, seq) for
+        kept work: an arrival's (FEASIBLE, its latest start, inf, seq) lands at its EDF
+        position among it. The best-effort tail: (TAIL, ALIVE, model run, latest start, seq)
+        for what could still make it, then (TAIL, HOPELESS, model run, arrival, seq): in model
+        runs, so serving it late does not add switches. A request this policy never saw
+        sorts into the tail by its deadline."""
+        rid = request.request_id
+        key = self._arrival_keys.get(rid) or self._keys.get(rid)
+        if key is not None:
+            return key
+        return (TAIL, ALIVE, 0, request.effective_deadline, request.seq)
 
     def observe_completion(self, obs: CompletionObservation) -> None:
         lengths = self.estimator.lengths
@@ -190,6 +392,17 @@ class QLMPolicy(QueuePolicy):
             max_tokens=obs.max_tokens,
             tenant=obs.tenant,
         )
+        if obs.prompt_tokens is not None:
+            # the mix the engine actually runs: what finishes, not what waits (a backlog in
+            # overload holds the requests nobody serves)
+            o, p, keep = (
+                float(max(obs.output_tokens, 1)),
+                float(obs.prompt_tokens),
+                1.0 - 1.0 / FLOW_WINDOW,
+            )
+            f = self._flow.setdefault(obs.model, [0.0, 0.0, 0.0, 0.0])
+            f[0], f[1], f[2] = f[0] * keep + 1.0, f[1] * keep + o, f[2] * keep + p
+            f[3] = f[3] * keep + o * (p + o / 2)
         if self._forest_lengths:
             self._maybe_refresh_forest()
 
@@ -213,24 +426,18 @@ class QLMPolicy(QueuePolicy):
 
     def predicted_completions(self) -> dict[str, float]:
         """Completion time of every request of the last plan at the chance level Δ (with
-        Δ = 0.5, the RCT estimator's mean): planned_at + c_q of its queue position."""
+        Δ = 0.5, the RCT estimator's mean), the tail after the kept work of its queue."""
         if self._last_detail is None:
             return {}
-        queues, details, reqs, planned_at = self._last_detail
-        out: dict[str, float] = {}
-        for q, (c_q, _) in zip(queues, details, strict=False):
-            for k, i in enumerate(q):
-                out[reqs[int(i)].request_id] = planned_at + float(c_q[k])
-        return out
+        rel, planned_at = self._last_detail
+        return {rid: planned_at + c for rid, c in rel.items()}
 
     def wants_replan(self, now: float) -> bool:
         if self._planned_at is None:
             return self._arrivals_since_plan > 0
         if self._violation:
             return True
-        if now - self._planned_at > self.config.max_plan_age_s and self._arrivals_since_plan:
-            return True
-        return self._index.joined >= 32 and self._index.drift() > self.config.drift_threshold
+        return now - self._planned_at > self.config.max_plan_age_s and self._arrivals_since_plan > 0
 
     def place(
         self,
@@ -239,98 +446,127 @@ class QLMPolicy(QueuePolicy):
         load: Mapping[str, float],
         now: float,
     ) -> str | None:
+        """The instance where the arrival starts first among those where it meets its SLO
+        (its latest start against the planned work due before it there, model switch
+        priced), else the least loaded one, into the tail. O(instances · log n)."""
         eligible = [i for i in instances if i.serves(request.model)]
         if not eligible:
             return None
         self._arrivals_since_plan += 1
-        self._forget_drained_groups(load)
-        ids = {i.instance_id for i in eligible}
-        lightest = min(load.get(i, 0.0) for i in ids)
-        work = self.work_tokens(request)
-        z = self._features(request)
-        allowed = {g for g, iid in self._group_inst.items() if iid in ids}
-        gid = self._index.nearest(request.model, z, allowed) if allowed else None
-        target = self._group_inst.get(gid) if gid is not None else None
-        if target is None or load.get(target, 0.0) > (self.config.balance_factor * lightest + work):
-            inst = self.choose_instance(request, eligible, load)
-            assert inst is not None
-            target = inst.instance_id
-            mine = {g for g in allowed if self._group_inst[g] == target}
-            gid = self._index.nearest(request.model, z, mine) if mine else None
-            if gid is None:
-                gid = self._new_group(request.model, z, target)
-        assert gid is not None
-        self._group_size[gid] = self._group_size.get(gid, 0) + 1
-        last = self._group_last_pos.get(gid)
-        pos = last + 0.5 if last is not None else float(self._plan_len.get(target, 0))
-        self._keys[request.request_id] = (pos, request.seq)
-        self._check_violation(request, target, last, now)
-        return target
+        out_mean, out_bound = self._lengths_of(request)
+        tokens = float(self.work_tokens(request))
+        best: tuple[tuple[Any, ...], PlanInstance, float, float] | None = None
+        dues: dict[int, float] = {}  # identical instances share their rate: one due for all
+        for inst in eligible:
+            iid = inst.instance_id
+            rate = self._rate(inst, request.model)
+            queued = max(load.get(iid, 0.0), 0.0)
+            lane = self._lane(iid, queued, rate)
+            due = dues.get(id(rate), math.nan)
+            if due != due:  # not priced yet (NaN)
+                pre = rate.prefill_fixed_s + rate.prefill_s_per_token * request.prompt_tokens
+                due = dues[id(rate)] = _latest_start(request, pre, pre + out_bound * rate.token_s)
+            # a model the instance holds no work of: a new run (drain, then load)
+            held = request.model in lane.models or inst.active_model in (None, request.model)
+            swap = 0.0 if held else rate.switch_s + lane.swap_s
+            start = now + lane.ahead_tokens(due, queued) * lane.s_per_token + swap
+            feasible = start <= due
+            rank = (
+                not feasible,
+                start if feasible else queued * lane.s_per_token + swap,
+                inst.running,
+                iid,
+            )
+            if best is None or rank < best[0]:
+                occ = request.prompt_tokens * rate.inv_prefill_tps + out_mean * rate.inv_tps
+                best = (rank, inst, due, occ)
+        assert best is not None
+        rank, inst, due, occ = best
+        infeasible = rank[0]
+        iid = inst.instance_id
+        lane = self._lanes[iid]
+        lane.placed += tokens
+        lane.models.add(request.model)
+        self._remember(request, iid, out_mean, now)
+        if not infeasible:
+            key: tuple[Any, ...] = (FEASIBLE, due, math.inf, request.seq)
+            lane.add_pending(due, tokens)
+            lane.added_s += occ
+            # §4: replan when the arrival pushes kept work behind it past its deadline
+            if lane.slack_after(due) < lane.added_s:
+                self._violation = True
+        elif due > now:
+            run = lane.ranks.setdefault(request.model, len(lane.ranks))
+            key = (TAIL, ALIVE, run, due, request.seq)
+            # it can still make it if a costlier request ahead of it gives way: a replan
+            # (the Moore-Hodgson walk) decides
+            self._violation = True
+        else:
+            run = lane.ranks.setdefault(request.model, len(lane.ranks))
+            key = (TAIL, HOPELESS, run, request.arrival_time, request.seq)
+        if len(self._arrival_keys) >= ARRIVAL_KEYS_MAX:
+            # the coordinator reads an arrival's key right after place(), and every queued
+            # request gets a new one at the next plan: the oldest can go
+            for old in list(itertools.islice(self._arrival_keys, ARRIVAL_KEYS_MAX // 2)):
+                del self._arrival_keys[old]
+        self._arrival_keys[request.request_id] = key
+        return iid
+
+    def _remember(self, r: PlanRequest, iid: str, out: float, now: float) -> None:
+        if len(self._seen) >= ARRIVAL_KEYS_MAX and r.request_id not in self._seen:
+            # bounded without replans (short queues): the oldest entries are long dispatched
+            for old in list(itertools.islice(self._seen, ARRIVAL_KEYS_MAX // 2)):
+                self._note_left(old, now)
+        self._seen[r.request_id] = (iid, r.model, out, now, r.prompt_tokens)
+
+    def _note_left(self, rid: str, now: float) -> None:
+        """``rid`` left its queue between when it was last seen there and ``now``."""
+        iid, model, out, seen, prompt = self._seen.pop(rid)
+        left = self._left.get(iid)
+        if left is None:
+            left = self._left[iid] = deque(maxlen=DISPATCH_MEMORY)
+        left.append((model, out, (seen + now) / 2, prompt))
 
     # ------------------------------------------------------------------ place() helpers
-    def _forget_drained_groups(self, load: Mapping[str, float]) -> None:
-        """Groups on an instance whose virtual queue is empty have no queued member left:
-        forget them, so that between replans (none happen while queues stay short) the
-        groups created by arrivals do not pile up and slow every later join."""
-        drained = [iid for iid in self._inst_groups if load.get(iid, 0.0) <= 0.0]
-        for iid in drained:
-            gids = self._inst_groups.pop(iid)
-            self._index.remove_groups(gids)
-            for g in gids:
-                self._group_inst.pop(g, None)
-                self._group_last_pos.pop(g, None)
-                self._group_size.pop(g, None)
-
-    def _features(self, r: PlanRequest) -> np.ndarray:
-        d = r.effective_deadline
-        if not math.isfinite(d):
-            d = r.arrival_time + 3600.0
-        out = float(
-            self.estimator.lengths.predict(r.model, r.slo_class, np.array([r.max_tokens]))[0][0]
+    def _lengths_of(self, r: PlanRequest) -> tuple[float, float]:
+        """(mean, Δ-quantile bound) of one request's output tokens."""
+        lengths = self.estimator.lengths
+        cap = np.array([max(r.max_tokens, 1)], dtype=np.float64)
+        prompt = np.array([r.prompt_tokens], dtype=np.float64)
+        mean, _ = lengths.predict(r.model, r.slo_class, cap, prompt_tokens=prompt)
+        bound = lengths.upper_bound(
+            r.model, r.slo_class, cap, self.config.slo_quantile, prompt_tokens=prompt
         )
-        raw = request_features(np.array([d]), np.array([r.prompt_tokens]), np.array([out]))[0]
-        self._index.set_scaler(r.model, raw, np.array([60.0, 1.0, 1.0]))
-        return self._index.standardise(r.model, raw)
+        return float(mean[0]), float(bound[0])
 
-    def _new_group(self, model: str, z: np.ndarray, instance_id: str) -> int:
-        gid = self._next_gid
-        self._next_gid += 1
-        self._index.add_group(model, gid, z)
-        self._group_inst[gid] = instance_id
-        self._inst_groups.setdefault(instance_id, set()).add(gid)
-        return gid
+    def _rate(self, inst: PlanInstance, model: str) -> _Rate:
+        """The (instance, model) timing of the last plan, else priced now at the context last
+        seen for the model (before any plan; the batch: what runs there now plus this one)."""
+        rate = self._rates.get((inst.instance_id, model))
+        if rate is not None:
+            return rate
+        joins = inst.running + 1 if inst.active_model == model else 1
+        warm = inst.warm_models is None or model in inst.warm_models
+        key = (inst.gpu_type, model, inst.kv_capacity_tokens, inst.max_batch_size, joins, warm)
+        rate = self._default_rates.get(key)
+        if rate is None:  # an instance shape seen before costs a dict lookup (no replan
+            # may run for hours when queues stay short)
+            ctx, ratio = self._ctx.get(model, (1024.0, 0.0))
+            p = self._hw(inst, model, ctx, ratio)
+            lat = self._hw(inst, model, ctx, ratio, batch=joins)
+            if len(self._default_rates) >= 4096:
+                self._default_rates.clear()
+            rate = self._default_rates[key] = _Rate.of(p, lat, self._switch(inst, p, model))
+        return rate
 
-    def _check_violation(self, r: PlanRequest, target: str, last: float | None, now: float) -> None:
-        """§4: an arrival triggers a replan only if it creates a predicted SLO violation: its
-        own (its group's tail completion plus its work) or of a group behind it that met its
-        SLO in the plan (its slack minus the work added to this queue since)."""
-        theta = self._theta.get((target, r.model))
-        if theta is None:
-            self._violation = self._violation or math.isfinite(r.effective_deadline)
-            return
-        added = r.max_tokens / theta
-        self._added[target] = self._added.get(target, 0.0) + added
-        done = self._completion.get(target)
-        if (
-            last is not None
-            and done is not None
-            and math.isfinite(r.effective_deadline)
-            and r.effective_deadline > now
-            and self._planned_at is not None
-            and self._planned_at + float(done[int(last)]) + self._added[target]
-            > r.effective_deadline
-        ):
-            self._violation = True  # the arrival itself is predicted to miss where it joined
-        slack = self._suffix_slack.get(target)
-        if slack is not None and len(slack):
-            k = 0 if last is None else min(int(last) + 1, len(slack) - 1)
-            if slack[k] < self._added[target]:
-                self._violation = True
-        if last is None and math.isfinite(r.effective_deadline):
-            # a new group at the tail: due before the queue drains?
-            tail = self._suffix_slack.get(target + "#end")
-            if tail is not None and now + float(tail[0]) + added > r.effective_deadline:
-                self._violation = True
+    def _lane(self, iid: str, queued: float, rate: _Rate) -> _LaneState:
+        """The instance's state; an empty virtual queue has nothing planned left in it."""
+        lane = self._lanes.get(iid)
+        if lane is None or (queued <= 0.0 and (lane.placed > 0.0 or len(lane.due))):
+            s_per_token = lane.s_per_token if lane is not None else rate.inv_tps
+            swap_s = lane.swap_s if lane is not None else 0.0
+            lane = self._lanes[iid] = _LaneState.empty(s_per_token, swap_s)
+        return lane
 
     # ------------------------------------------------------------------ plan
     def plan(
@@ -342,6 +578,9 @@ class QLMPolicy(QueuePolicy):
         t0 = time.perf_counter()
         budget_end = self._clock() + self.config.time_budget_s
         reqs = sorted(requests, key=lambda r: (r.seq, r.request_id))
+        queued = {r.request_id for r in reqs}
+        for rid in [rid for rid in self._seen if rid not in queued]:
+            self._note_left(rid, now)
         insts = sorted(instances, key=lambda i: i.instance_id)
         live = [i for i in insts if not i.draining]
         queues_out: dict[str, list[str]] = {i.instance_id: [] for i in insts}
@@ -350,86 +589,112 @@ class QLMPolicy(QueuePolicy):
             len(models), len(live)
         )
         mpos = {m: k for k, m in enumerate(models)}
+        self._models = models
         priced = self._price(reqs, mpos, now)
         servable = serve[priced.model_idx].any(axis=1) if len(reqs) else np.zeros(0, bool)
         unassigned = [r.request_id for r, ok in zip(reqs, servable, strict=True) if not ok]
         meta: dict[str, Any] = {"groups": 0, "requests": len(reqs)}
         if not servable.any():
-            self._adopt([], [], priced, live, {}, now)
+            self._adopt(None, priced, live, ({}, {}), models, now)
             meta.update(feasible=not any(math.isfinite(d) for d in priced.deadline))
             return Plan(queues=queues_out, unassigned=unassigned, policy=self.name, meta=meta)
 
-        hw = self._profiles(priced, live, models, serve)
+        hw, lat = self._profiles(priced, live, models, serve)
         self._half_out = {
             m: float(priced.out_mean[priced.model_idx == m].mean()) / 2
             for m in range(len(models))
             if (priced.model_idx == m).any()
         }
-        grouping = build_groups(
-            reqs,
-            priced.out_mean,
-            avg_batch={m: self._avg_batch(hw, k) for k, m in enumerate(models)},
-            instances_per_model={m: int(serve[k].sum()) for k, m in enumerate(models)},
-            config=self.config.grouping,
-            deadlines=np.where(np.isfinite(priced.deadline), priced.deadline + now, now + 3600.0),
-            skip=~servable,
-        )
-        problem = self._group_problem(grouping, priced, hw, live, models, serve, now)
-        meta["groups"] = problem.n_groups
+        tab = self._tables(priced, hw, lat, live, models, now)
+        best_lst = tab.lst.max(axis=1) if len(live) else np.full(len(reqs), -np.inf)
+        # hopeless: misses even if it started now on its best instance; only the tail can
+        # take it (not demoting anything keeps it in the candidates)
+        hopeless = servable & ~tab.prio & (best_lst < 0) & self.config.demote
+        walkable = servable & ~hopeless
 
-        # -- candidates: request-level EDF (first: the budget below counts its cost), the group
-        # incumbent, and its improvement within what is left of the time budget
-        edf = self._edf_queues(priced, live, servable)
-        incumbent = greedy_assign(problem)
-        group_plans = {"greedy": incumbent}
-        improved, milp_stats = self.improve_groups(problem, incumbent, budget_end)
-        meta["milp"] = milp_stats
-        group_plans["improved"] = improved
-        candidates: list[tuple[str, list[np.ndarray]]] = [
-            (name, self._expand(gq, grouping)) for name, gq in group_plans.items()
-        ]
-        candidates.append(("edf", edf))
-
-        scored = []
-        for name, qs in candidates:
-            met, worth, _ = self._evaluate(qs, priced, hw, live, models)
-            scored.append((name, qs, met, worth))
-        n_deadline = int(np.isfinite(priced.deadline[servable]).sum() + (~servable).sum() * 0)
-        best_met = max(s[2] for s in scored)
-        feasible = best_met >= int(servable.sum())
-        # ties (and infeasible cases that no candidate improves) go to EDF (A.3's fallback);
-        # otherwise the improved group plan is preferred over the greedy one on ties
-        order = (
-            {"edf": 0, "improved": 1, "greedy": 2}
-            if not feasible
-            else {"improved": 0, "greedy": 1, "edf": 2}
-        )
+        # -- candidates: request-level EDF on latest starts, and the group plan before and
+        # after improvement (within what is left of the time budget)
+        candidates: dict[str, _Walk] = {"edf": self._walk_edf(tab, priced, walkable, best_lst)}
+        # A full batch delays even requests of its own model until a slot frees. Evicting it
+        # (an LSO) lets them start now, and costs recomputing the batch's contexts: worth it
+        # when the requests it saves outnumber those that recompute time would have served
+        evict_wait = np.zeros(len(live))
+        full = tab.first_slot > 0
+        if full.any() and self.config.demote:
+            freed = dataclasses.replace(tab, first_slot=np.zeros(len(live)))
+            probe = self._walk_edf(freed, priced, walkable, best_lst)
+            occ = np.where(np.isfinite(tab.occ[walkable]), tab.occ[walkable], np.nan)
+            mean_occ = np.nan_to_num(np.nanmean(occ, axis=0), nan=1.0) if walkable.any() else 1.0
+            cost = float((tab.evict / np.maximum(mean_occ, 1e-6))[full].sum())
+            if probe.met - candidates["edf"].met > cost:
+                evict_wait = np.where(full, tab.first_slot, 0.0)
+                tab, candidates["edf"] = freed, probe
+        problem: GroupProblem | None = None
+        if self.config.group_candidates and walkable.sum() > 1:
+            grouping = build_groups(
+                reqs,
+                priced.out_mean,
+                avg_batch={m: self._avg_batch(hw, k) for k, m in enumerate(models)},
+                instances_per_model={m: int(serve[k].sum()) for k, m in enumerate(models)},
+                config=self.config.grouping,
+                deadlines=np.where(
+                    np.isfinite(priced.deadline), priced.deadline + now, now + 3600.0
+                ),
+                skip=~walkable,
+            )
+            problem = self._group_problem(grouping, priced, hw, tab, live, models, now)
+            meta["groups"] = problem.n_groups
+            incumbent = greedy_assign(problem)
+            improved, milp_stats = self.improve_groups(problem, incumbent, budget_end)
+            meta["milp"] = milp_stats
+            for name, gq in (("greedy", incumbent), ("improved", improved)):
+                candidates[name] = self._walk_lanes(
+                    self._expand(gq, grouping, tab, best_lst), tab, priced
+                )
+        # most requests (or value) predicted to meet; then fewer model switches (each costs a
+        # load and a drain), then the shorter makespan; then the order below
+        order = {"improved": 0, "greedy": 1, "edf": 2}
         by_gain = self.config.objective == "service-gain"
-        name, chosen, met, worth = max(
-            scored, key=lambda s: (s[3] if by_gain else s[2], -order[s[0]])
+        name, chosen = max(
+            candidates.items(),
+            key=lambda kv: (
+                round(kv[1].worth, 9) if by_gain else kv[1].met,
+                -kv[1].switches,
+                -round(kv[1].makespan, 6),
+                -order[kv[0]],
+            ),
         )
+        n_deadline = int(np.isfinite(priced.deadline[servable]).sum())
+        feasible = chosen.met >= int(servable.sum())
+        tail = sorted(set(chosen.tail) | set(np.flatnonzero(hopeless).tolist()))
+        final, detail, keys = self._finish(chosen, tail, tab, priced, best_lst, now)
         meta.update(
             chosen=name,
             objective=self.config.objective,
-            predicted_met=met,
-            predicted_value=round(worth, 3),
-            predicted_attainment=(met + int((~servable).sum() and 0)) / max(len(reqs), 1),
-            candidates={s[0]: s[2] for s in scored},
+            predicted_met=chosen.met,
+            predicted_value=round(chosen.worth, 3),
+            predicted_attainment=chosen.met / max(len(reqs), 1),
+            candidates={k: w.met for k, w in candidates.items()},
+            switches=chosen.switches,
+            demoted=len(tail),
             feasible=bool(feasible),
             with_deadline=n_deadline,
         )
-        if not feasible:
-            meta["fallback"] = "edf" if name == "edf" else None
+        if not feasible and problem is not None:
+            meta["fallback"] = None
             meta["scale_up"] = self._scale_up(
                 problem, live, self._clock() + self.config.scale_up_budget_s
             )
+            meta["scale_up"]["unattainable_requests"] += int(hopeless.sum())
         else:
-            meta["scale_up"] = {"needed": False}
-        _, _, detail = self._evaluate(chosen, priced, hw, live, models, detail=True)
-        lso = self._lso(chosen, priced, hw, live, models)
-        for g, ids in enumerate(chosen):
-            queues_out[live[g].instance_id] = [reqs[i].request_id for i in ids]
-        self._adopt(chosen, detail, priced, live, hw, now, models, grouping)
+            meta["scale_up"] = {"needed": not feasible}
+        lso = self._lso(final, priced, hw, tab, live, models, evict_wait)
+        for g, ids in enumerate(final):
+            iid = live[g].instance_id
+            queues_out[iid] = [reqs[i].request_id for i in ids]
+            for i in ids:
+                self._remember(reqs[i], iid, float(priced.out_mean[i]), now)
+        self._adopt((final, detail, keys, tab), priced, live, (hw, lat), models, now)
         meta["replan_s"] = round(time.perf_counter() - t0, 4)
         return Plan(queues=queues_out, unassigned=unassigned, policy=self.name, meta=meta, lso=lso)
 
@@ -438,16 +703,20 @@ class QLMPolicy(QueuePolicy):
         n = len(reqs)
         model_idx = np.fromiter((mpos[r.model] for r in reqs), np.int64, n)
         prompt = np.fromiter((r.prompt_tokens for r in reqs), np.float64, n)
-        max_tok = np.fromiter((r.max_tokens for r in reqs), np.float64, n)
-        out_mean, out_var = np.zeros(n), np.zeros(n)
+        max_tok = np.fromiter((max(r.max_tokens, 1) for r in reqs), np.float64, n)
+        out_mean, out_var, out_bound = np.zeros(n), np.zeros(n), np.zeros(n)
         keys: dict[tuple[str, str | None], list[int]] = {}
         for k, r in enumerate(reqs):
             keys.setdefault((r.model, r.slo_class), []).append(k)
+        lengths = self.estimator.lengths
         for (model, cls), idx in keys.items():
             ix = np.asarray(idx)
             # per request when the forest is in use: it prices each prompt
-            out_mean[ix], out_var[ix] = self.estimator.lengths.predict(
+            out_mean[ix], out_var[ix] = lengths.predict(
                 model, cls, max_tok[ix], prompt_tokens=prompt[ix]
+            )
+            out_bound[ix] = lengths.upper_bound(
+                model, cls, max_tok[ix], self.config.slo_quantile, prompt_tokens=prompt[ix]
             )
         inf = math.inf
         e2e = np.fromiter((r.deadline if r.deadline is not None else inf for r in reqs), float, n)
@@ -465,6 +734,7 @@ class QLMPolicy(QueuePolicy):
             prompt,
             out_mean,
             out_var,
+            out_bound,
             np.minimum(e2e, ttft) - now,
             e2e - now,
             ttft - now,
@@ -472,28 +742,58 @@ class QLMPolicy(QueuePolicy):
             value,
         )
 
+    def _hw(
+        self, inst: PlanInstance, model: str, ctx: float, ratio: float, batch: int | None = None
+    ) -> HardwareProfile:
+        """The profile at the batch the instance runs: the KV share the agent fills, at most
+        ``batch`` sequences when fewer are there to run."""
+        cap = inst.max_batch_size if batch is None else max(1, min(batch, inst.max_batch_size))
+        return self.estimator.profile(
+            inst.gpu_type,
+            model,
+            inst.kv_capacity_tokens,
+            cap,
+            ctx,
+            ratio,
+            kv_fraction=self.config.kv_fill,
+        )
+
     def _profiles(
         self, priced: _Priced, live: list[PlanInstance], models: list[str], serve: np.ndarray
-    ) -> dict[tuple[int, int], HardwareProfile]:
+    ) -> tuple[dict[tuple[int, int], HardwareProfile], dict[tuple[int, int], HardwareProfile]]:
+        """Each (instance, model) priced twice. Capacity (occupancy, what a request adds to the
+        wait of those behind it): at the batch a busy instance runs, the KV share the agent
+        fills over the context a running sequence holds. Latency (a request's own decode): at
+        the batch it will be part of, that one or, when fewer requests are there to run (what
+        runs there now of that model and its share of the queue), those: an instance that is
+        not full decodes faster than a full one. A sequence stays in the batch in proportion
+        to its output, so that context is weighted by output: prompt + half the output of the
+        requests as the batch holds them, E[O·(P + O/2)] / E[O], not of the requests as they
+        arrive (long answers hold the cache longest; the arrival mean overstates the batch).
+        Taken from the completions once there are enough of them (the mix actually served),
+        from the queued requests before."""
         out: dict[tuple[int, int], HardwareProfile] = {}
+        lat: dict[tuple[int, int], HardwareProfile] = {}
         for m, model in enumerate(models):
             sel = priced.model_idx == m
             if not sel.any():
                 continue
-            prompt, output = float(priced.prompt[sel].mean()), float(priced.out_mean[sel].mean())
-            ctx = prompt + output / 2
-            ratio = prompt / max(output, 1.0)
+            share = math.ceil(int(sel.sum()) / max(int(serve[m].sum()), 1))
+            flow = self._flow.get(model)
+            if flow is not None and flow[0] >= FLOW_MIN:
+                ctx, ratio = flow[3] / flow[1], flow[2] / flow[1]
+            else:  # nothing served yet: the queued requests, as predicted
+                p, om, ov = priced.prompt[sel], priced.out_mean[sel], priced.out_var[sel]
+                weight = max(float(om.sum()), 1e-9)
+                ctx = float((om * p + (om**2 + ov) / 2).sum()) / weight
+                ratio = float(p.sum()) / weight
+            self._ctx[model] = (ctx, ratio)
             for g, inst in enumerate(live):
                 if serve[m, g]:
-                    out[(g, m)] = self.estimator.profile(
-                        inst.gpu_type,
-                        model,
-                        inst.kv_capacity_tokens,
-                        inst.max_batch_size,
-                        ctx,
-                        ratio,
-                    )
-        return out
+                    out[(g, m)] = self._hw(inst, model, ctx, ratio)
+                    running = inst.running if inst.active_model == model else 0
+                    lat[(g, m)] = self._hw(inst, model, ctx, ratio, batch=running + share)
+        return out, lat
 
     @staticmethod
     def _avg_batch(hw: Mapping[tuple[int, int], HardwareProfile], m: int) -> float:
@@ -504,21 +804,272 @@ class QLMPolicy(QueuePolicy):
         warm = inst.warm_models is None or model in inst.warm_models
         return hwp.switch_in_s(warm)
 
-    def _base(self, inst: PlanInstance, g: int, hw: Mapping, models: list[str]) -> float:
-        """Time before the queue's head can start: the running batch's remaining work, each
-        running request with half its predicted output still to come."""
-        if inst.running <= 0 or inst.active_model not in models:
-            return 0.0
-        m = models.index(inst.active_model)
-        p = hw.get((g, m))
-        if p is None:
-            return 0.0
-        return inst.running * self._half_out.get(m, 128.0) / p.throughput_tps
+    def _running(
+        self, inst: PlanInstance, g: int, hw: Mapping, lat: Mapping, models: list[str], now: float
+    ) -> tuple[float, float, float]:
+        """(until the first running request frees a slot, until the last one finishes, what
+        evicting them all costs) on an instance: what a request of the running model waits for
+        when the batch is full, what a model switch waits for, and the recompute (or swap,
+        whichever is cheaper) of their contexts. The running requests are the latest
+        ``running`` ones that left this instance's queue, each with its predicted output less
+        what it decoded since; any the policy never saw count with the model's mean context
+        and half its mean output to go."""
+        if inst.running <= 0 or inst.active_model is None:
+            return 0.0, 0.0, 0.0
+        model = inst.active_model
+        m = models.index(model) if model in models else -1
+        if (g, m) in hw:
+            p, token_s = hw[(g, m)], lat[(g, m)].token_time_s
+        else:
+            ctx, ratio = self._ctx.get(model, (1024.0, 0.0))
+            p, token_s = self._hw(inst, model, ctx, ratio), self._rate(inst, model).token_s
+        per_token = min(p.recompute_s_per_token, 2 * p.kv_transfer_s_per_token)
+        flow = self._flow.get(model)
+        mean_out = flow[1] / flow[0] if flow is not None and flow[0] > 0 else 256.0
+        left, ctx_sum = [], 0.0
+        for mm, out, t, prompt in reversed(self._left.get(inst.instance_id, ())):
+            if mm != model:
+                continue
+            done = min((now - t) / token_s, out - 1.0)
+            left.append(out - done)
+            ctx_sum += prompt + done
+            if len(left) == inst.running:
+                break
+        unknown = inst.running - len(left)
+        left += [mean_out / 2] * unknown
+        ctx_sum += unknown * self._ctx.get(model, (1024.0, 0.0))[0]
+        slot = min(left) * token_s if inst.running >= p.batch else 0.0
+        return slot, max(left) * token_s, ctx_sum * per_token
+
+    def _tables(
+        self,
+        priced: _Priced,
+        hw: Mapping[tuple[int, int], HardwareProfile],
+        lat: Mapping[tuple[int, int], HardwareProfile],
+        live: list[PlanInstance],
+        models: list[str],
+        now: float,
+    ) -> _Tables:
+        n, n_inst, M = len(priced.reqs), len(live), len(models)
+        occ = np.full((n, n_inst), np.inf)
+        occ_var = np.zeros((n, n_inst))
+        own = np.full((n, n_inst), np.inf)
+        lst = np.full((n, n_inst), -np.inf)
+        switch = np.zeros((n_inst, M))
+        for (g, m), p in hw.items():
+            switch[g, m] = self._switch(live[g], p, models[m])
+            sel = np.flatnonzero(priced.model_idx == m)
+            prompt = priced.prompt[sel]
+            occ[sel, g] = prompt / p.prefill_tps + priced.out_mean[sel] / p.throughput_tps
+            occ_var[sel, g] = priced.out_var[sel] / p.throughput_tps**2
+            q = lat[(g, m)]
+            pre = q.prefill_fixed_s + q.prefill_s_per_token * prompt
+            own[sel, g] = pre + priced.out_bound[sel] * q.token_time_s
+            lst[sel, g] = np.minimum(priced.e2e[sel] - own[sel, g], priced.ttft[sel] - pre)
+        running = [self._running(inst, g, hw, lat, models, now) for g, inst in enumerate(live)]
+        first_slot = np.array([r[0] for r in running])
+        drain = np.array([r[1] for r in running])
+        evict = np.array([r[2] for r in running])
+        # -1: nothing loaded (the first model costs nothing); -2: a model none of the queued
+        # requests uses (the first of them switches)
+        init = np.array(
+            [
+                models.index(i.active_model)
+                if i.active_model in models
+                else (-1 if i.active_model is None else -2)
+                for i in live
+            ],
+            dtype=np.int64,
+        )
+        arrival = np.fromiter((r.arrival_time for r in priced.reqs), np.float64, n)
+        has_deadline = np.isfinite(priced.deadline)
+        # starvation guard: overdue by more than starvation_factor × its own SLO
+        slo_len = np.maximum(priced.deadline + now - arrival, 1e-3)
+        prio = has_deadline & (-priced.deadline > self.config.starvation_factor * slo_len)
+        best_occ = np.where(np.isfinite(occ), occ, np.inf).min(axis=1) if n_inst else np.ones(n)
+        # a request without a deadline is met wherever it waits: it gives way first
+        cost = np.where(has_deadline, best_occ / np.maximum(priced.value, 1e-12), np.inf)
+        # profiles are cached objects: the same object for the same instance shape and batch
+        signature: dict[tuple[int, ...], int] = {}
+        lane_class = np.array(
+            [
+                signature.setdefault(
+                    tuple(x for m in range(M) for x in (id(hw.get((g, m))), id(lat.get((g, m))))),
+                    g,
+                )
+                for g in range(n_inst)
+            ],
+            dtype=np.int64,
+        )
+        # a new model run waits for the previous one to drain: about a typical request's own
+        # time there (then the load)
+        typical = np.zeros(n_inst)
+        for g in range(n_inst):
+            fin = own[:, g][np.isfinite(own[:, g])]
+            typical[g] = float(np.median(fin)) if len(fin) else 0.0
+        swap = switch + typical[:, None]
+        return _Tables(
+            occ,
+            occ_var,
+            own,
+            lst,
+            switch,
+            swap,
+            drain,
+            first_slot,
+            evict,
+            init,
+            prio,
+            cost,
+            has_deadline,
+            priced.model_idx,
+            lane_class,
+        )
+
+    # ------------------------------------------------------------------ candidates
+    def _walker(self, tab: _Tables, priced: _Priced) -> _Walker:
+        return _Walker(tab, priced, self.z, self.config.demote)
+
+    def _walk_edf(
+        self, tab: _Tables, priced: _Priced, walkable: np.ndarray, best_lst: np.ndarray
+    ) -> _Walk:
+        """Request-level EDF on latest starts: starving requests first, then each request (in
+        latest-start order) to the instance where it starts first among those where it meets
+        its SLO (its model switch and the drain before it priced), walked with displacement."""
+        w = self._walker(tab, priced)
+        idx = np.flatnonzero(walkable)
+        order = idx[np.lexsort((priced.seq[idx], best_lst[idx], ~tab.prio[idx]))]
+        lanes_of: dict[int, list[tuple[int, _Lane, list[float], list[float]]]] = {}
+        z, model, inf = w.z, w.model, math.inf
+        for k in order.tolist():
+            m = model[k]
+            cands = lanes_of.get(m)
+            if cands is None:
+                cands = lanes_of[m] = [
+                    (g, w.lanes[g], w.lst[g], w.switch[g])
+                    for g in np.flatnonzero(np.isfinite(tab.occ[k])).tolist()
+                ]
+            # the lowest (misses, start, index): written out, this runs n × instances times
+            best_g, best_start, best_miss = -1, inf, True
+            for g, lane, lst, switch in cands:
+                lm = lane.model
+                if lm == -1 or lm == m:
+                    start = lane.t
+                else:
+                    start = (lane.t if lane.t > lane.run_end else lane.run_end) + switch[m]
+                miss = start + z * lane.sd > lst[k]
+                if (miss < best_miss) or (miss == best_miss and start < best_start):
+                    best_g, best_start, best_miss = g, start, miss
+            if best_g >= 0:
+                w.step(best_g, k)
+        return w.result()
+
+    def _walk_lanes(self, orders: list[list[int]], tab: _Tables, priced: _Priced) -> _Walk:
+        """A candidate's queues walked in their own order, with displacement."""
+        w = self._walker(tab, priced)
+        for g, order in enumerate(orders):
+            for k in order:
+                w.step(g, k)
+        return w.result()
+
+    def _expand(
+        self, group_queues: list[list[int]], grouping: Any, tab: _Tables, best_lst: np.ndarray
+    ) -> list[list[int]]:
+        """Group queues as request orders: each group's members by latest start (starving
+        first): the planner decides which group runs where and when, EDF inside it."""
+        out = []
+        for q in group_queues:
+            parts = []
+            for i in q:
+                mem = grouping.groups[i].members
+                parts.append(mem[np.lexsort((mem, best_lst[mem], ~tab.prio[mem]))])
+            out.append(np.concatenate(parts).tolist() if parts else [])
+        return out
+
+    def _finish(
+        self,
+        chosen: _Walk,
+        tail: list[int],
+        tab: _Tables,
+        priced: _Priced,
+        best_lst: np.ndarray,
+        now: float,
+    ) -> tuple[list[list[int]], dict[str, float], dict[str, tuple[Any, ...]]]:
+        """The queues (kept work, then the tail spread over the least busy eligible
+        instances: still-feasible requests by latest start, then the hopeless FCFS), their
+        predicted completions (s from now) and sort keys."""
+        reqs = priced.reqs
+        models = self._models
+        n_inst = len(chosen.lanes)
+        timing = [
+            _lane_times(tab, g, lane.kept + lane.later) for g, lane in enumerate(chosen.lanes)
+        ]
+        end = [t.end for t in timing]
+        # the models each instance holds work of: a tail request joins one of its own model
+        # where it can (served late anyway, it should not add a model switch as well)
+        present: list[set[int]] = []
+        for g, lane in enumerate(chosen.lanes):
+            held = {int(tab.model_idx[k]) for k in lane.kept + lane.later}
+            if tab.init_model[g] >= 0:
+                held.add(int(tab.init_model[g]))
+            present.append(held)
+        order = sorted(
+            tail,
+            key=lambda k: (
+                (0, float(best_lst[k]), int(priced.seq[k]))
+                if best_lst[k] > 0
+                else (1, reqs[k].arrival_time, int(priced.seq[k]))
+            ),
+        )
+        tails: list[list[int]] = [[] for _ in range(n_inst)]
+        done: dict[str, float] = {}
+        for k in order:
+            ok = np.flatnonzero(np.isfinite(tab.occ[k])).tolist()
+            if not ok:
+                continue
+            m = int(tab.model_idx[k])
+            g = min(ok, key=lambda g: (end[g] + (0.0 if m in present[g] else tab.swap[g, m]), g))
+            done[reqs[k].request_id] = end[g] + float(tab.own[k, g])
+            end[g] += float(tab.occ[k, g])
+            present[g].add(m)
+            tails[g].append(k)
+        keys: dict[str, tuple[Any, ...]] = {}
+        final: list[list[int]] = []
+        self._tail_ranks = []
+        for g, lane in enumerate(chosen.lanes):
+            head = lane.kept + lane.later
+            due = np.maximum.accumulate(tab.lst[head, g] + now) if head else np.zeros(0)
+            for pos, k in enumerate(head):
+                rid = reqs[k].request_id
+                keys[rid] = (FEASIBLE, float(due[pos]), pos, int(priced.seq[k]))
+                done[rid] = float(timing[g].start[pos]) + float(tab.own[k, g])
+            # the tail in model runs: first the model the kept work ends with (or the one
+            # loaded), then the others in the order their first request comes
+            last = int(tab.model_idx[head[-1]]) if head else int(tab.init_model[g])
+            ranks: dict[str, int] = {models[last]: 0} if last >= 0 else {}
+            mine: list[tuple[tuple[Any, ...], int]] = []
+            for k in tails[g]:
+                rank = ranks.setdefault(models[int(tab.model_idx[k])], len(ranks))
+                lst_abs = float(tab.lst[k, g]) + now
+                key = (
+                    (TAIL, ALIVE, rank, lst_abs, int(priced.seq[k]))
+                    if lst_abs > now
+                    else (TAIL, HOPELESS, rank, reqs[k].arrival_time, int(priced.seq[k]))
+                )
+                keys[reqs[k].request_id] = key
+                mine.append((key, k))
+            mine.sort()
+            final.append(head + [k for _, k in mine])
+            self._tail_ranks.append(ranks)
+        return final, done, keys
 
     def _group_problem(
-        self, grouping, priced: _Priced, hw, live, models, serve, now: float
+        self, grouping, priced: _Priced, hw, tab: _Tables, live, models, now: float
     ) -> GroupProblem:
-        G, n_inst, M = len(grouping.groups), len(live), len(models)
+        """The group-level model of planner.milp. Requests of the running model start as
+        slots free (no base); a model switch waits for the previous run to drain (a typical
+        request's own time on that instance) and then loads the model."""
+        G, n_inst = len(grouping.groups), len(live)
         z = self.z
         weight = np.zeros(G)
         size = np.zeros(G)
@@ -528,43 +1079,33 @@ class QLMPolicy(QueuePolicy):
         own = np.full((G, n_inst), np.inf)
         elig = np.zeros((G, n_inst), bool)
         prio = np.zeros(G, bool)
-        n_arr = np.zeros(G)
         sums = np.zeros((G, 3))
-        arrival = np.zeros(G)
         for gi, grp in enumerate(grouping.groups):
             mem = grp.members
             size[gi] = len(mem)
             weight[gi] = float(priced.value[mem].sum())
             deadline[gi] = float(priced.deadline[mem].min())
             model[gi] = int(priced.model_idx[mem[0]])
-            arrival[gi] = priced.reqs[int(mem[0])].arrival_time
+            prio[gi] = bool(tab.prio[mem].any())
             sums[gi] = (
                 priced.prompt[mem].sum(),
                 priced.out_mean[mem].sum(),
                 priced.out_var[mem].sum(),
             )
-        n_arr = size
-        # starvation guard: overdue by more than starvation_factor × its own SLO
-        slo_len = np.maximum(deadline + now - arrival, 1e-3)
-        prio = np.isfinite(deadline) & (-deadline > self.config.starvation_factor * slo_len)
         for (g, m), p in hw.items():
             sel = np.flatnonzero(model == m)
             if not len(sel):
                 continue
             occ_m, occ_v, own_m, own_v = RCTEstimator.group_moments_array(
-                p, n_arr[sel], sums[sel, 0], sums[sel, 1], sums[sel, 2]
+                p, size[sel], sums[sel, 0], sums[sel, 1], sums[sel, 2]
             )
             dur[sel, g] = occ_m + z * np.sqrt(occ_v)
             own[sel, g] = own_m + z * np.sqrt(own_v)
             elig[sel, g] = True
-        base = np.array([self._base(inst, g, hw, models) for g, inst in enumerate(live)])
-        init = np.array(
-            [models.index(i.active_model) if i.active_model in models else -1 for i in live]
+        init = np.where(tab.init_model >= 0, tab.init_model, -1)
+        return GroupProblem(
+            weight, deadline, model, dur, own, elig, np.zeros(n_inst), init, tab.swap, prio, size
         )
-        switch = np.zeros((n_inst, M))
-        for (g, m), p in hw.items():
-            switch[g, m] = self._switch(live[g], p, models[m])
-        return GroupProblem(weight, deadline, model, dur, own, elig, base, init, switch, prio, size)
 
     # ------------------------------------------------------------------ improvement
     def improve_groups(
@@ -643,95 +1184,10 @@ class QLMPolicy(QueuePolicy):
                 stats["improved"] += 1
         return queues, stats
 
-    # ------------------------------------------------------------------ request level
-    def _expand(self, group_queues: list[list[int]], grouping) -> list[np.ndarray]:
-        out = []
-        for q in group_queues:
-            parts = [grouping.groups[i].members for i in q]
-            out.append(np.concatenate(parts) if parts else np.zeros(0, np.int64))
-        return out
-
-    def _edf_queues(
-        self, priced: _Priced, live: list[PlanInstance], servable: np.ndarray
-    ) -> list[np.ndarray]:
-        """The EDF baseline's plan (:class:`qlm.planner.baselines.EDFPolicy`, exactly), as index
-        arrays: the plan this policy must never be predicted worse than."""
-        plan = EDFPolicy().plan([priced.reqs[i] for i in np.flatnonzero(servable)], live, 0.0)
-        index = {r.request_id: k for k, r in enumerate(priced.reqs)}
-        return [
-            np.fromiter((index[rid] for rid in plan.queues[i.instance_id]), np.int64) for i in live
-        ]
-
-    def _evaluate(
-        self,
-        queues: list[np.ndarray],
-        priced: _Priced,
-        hw: Mapping[tuple[int, int], HardwareProfile],
-        live: list[PlanInstance],
-        models: list[str],
-        *,
-        detail: bool = False,
-    ) -> tuple[int, float, list[tuple[np.ndarray, np.ndarray]]]:
-        """Requests predicted to meet their SLO with probability Δ (request level, eqs. 1-4
-        with W from the cumulative occupancy ahead), and what they are worth (``value``): the
-        judge between candidate plans."""
-        z = self.z
-        met = 0
-        worth = 0.0
-        details: list[tuple[np.ndarray, np.ndarray]] = []
-        for g, q in enumerate(queues):
-            if len(q) == 0:
-                details.append((np.zeros(0), np.zeros(0)))
-                continue
-            mi = priced.model_idx[q]
-            ms = np.unique(mi)
-            theta = np.empty(len(q))
-            pi = np.empty(len(q))
-            tt = np.empty(len(q))
-            pf = np.empty(len(q))
-            ps = np.empty(len(q))
-            sw = np.empty(len(q))
-            for m in ms:
-                sel = mi == m
-                # Θ at the batch this queue's mix of this model actually forms (its mean context,
-                # at most as many sequences as it holds plus those already running), not the
-                # cluster-wide typical batch
-                prompt = float(priced.prompt[q][sel].mean())
-                output = float(priced.out_mean[q][sel].mean())
-                inst = live[g]
-                p = self.estimator.profile(
-                    inst.gpu_type,
-                    models[int(m)],
-                    inst.kv_capacity_tokens,
-                    max(1, min(inst.max_batch_size, inst.running + int(sel.sum()))),
-                    prompt + output / 2,
-                    prompt / max(output, 1.0),
-                )
-                theta[sel], pi[sel], tt[sel] = p.throughput_tps, p.prefill_tps, p.token_time_s
-                pf[sel], ps[sel] = p.prefill_fixed_s, p.prefill_s_per_token
-                sw[sel] = self._switch(live[g], p, models[int(m)])
-            prompt, om, ov = priced.prompt[q], priced.out_mean[q], priced.out_var[q]
-            occ = prompt / pi + om / theta
-            occ_v = ov / theta**2
-            active = live[g].active_model
-            init = models.index(active) if active is not None and active in models else -1
-            prev = np.concatenate(([init if init != -1 else mi[0]], mi[:-1]))
-            switch = np.where(prev != mi, sw, 0.0)
-            base = self._base(live[g], g, hw, models)
-            start = base + np.cumsum(switch) + np.concatenate(([0.0], np.cumsum(occ)[:-1]))
-            start_v = np.concatenate(([0.0], np.cumsum(occ_v)[:-1]))
-            prefill = pf + ps * prompt
-            c_q = start + prefill + om * tt + z * np.sqrt(start_v + ov * tt**2)
-            first = start + prefill + z * np.sqrt(start_v)
-            ok = (c_q <= priced.e2e[q]) & (first <= priced.ttft[q])
-            met += int(ok.sum())
-            worth += float(priced.value[q][ok].sum())
-            if detail:
-                details.append((c_q, np.where(ok, priced.deadline[q] - c_q, np.inf)))
-        return met, worth, details
-
-    # ------------------------------------------------------------------ LSO, scale-up
-    def _lso(self, queues, priced: _Priced, hw, live, models) -> dict[str, InstanceLSO]:
+    # ------------------------------------------------------------------ LSO
+    def _lso(
+        self, queues, priced: _Priced, hw, tab: _Tables, live, models, evict_wait: np.ndarray
+    ) -> dict[str, InstanceLSO]:
         out: dict[str, InstanceLSO] = {}
         for g, inst in enumerate(live):
             q = queues[g]
@@ -762,22 +1218,25 @@ class QLMPolicy(QueuePolicy):
                 cold_models=tuple(cold),
             )
             if len(q) and head in models:
-                p = hw[(g, models.index(head))]
+                hm = models.index(head)
+                p = hw[(g, hm)]
                 ctx = int(priced.prompt[q[:64]].mean() + priced.out_mean[q[:64]].mean() / 2)
-                # preempt the running batch when the head needs another model and is predicted
-                # to miss while the batch drains first. A head of the resident model waits only
-                # for a free slot (continuous batching frees one at every completion), never
-                # for the drain the estimate charges: evicting for it only wastes work.
-                head_deadline = float(priced.deadline[q[: p.batch]].min())
-                wait = self._base(inst, g, hw, models) if decision.model_switch else 0.0
+                # Preempt the running batch where the head misses waiting for it and meets
+                # without: a switch to another model waits until the running requests have
+                # finished (then loads); one of the running model waits only for the first
+                # free slot, nothing while the batch has room, and is planned that way only
+                # where evicting was found worth its recompute (evict_wait)
+                head_lst = float(tab.lst[q[: p.batch], g].min())
+                if decision.model_switch and inst.running > 0:
+                    ready, wait = float(tab.switch[g, hm]), float(tab.drain[g])
+                else:
+                    ready, wait = 0.0, float(evict_wait[g])
                 decision = dataclasses.replace(
                     decision,
                     preemption_mode=p.preemption_mode(ctx, inst.cpu_memory_bytes),
                     head_requests=tuple(priced.reqs[i].request_id for i in q[: p.batch]),
                     preempt_running=bool(
-                        inst.running > 0
-                        and wait > 0
-                        and p.prefill_s(ctx) + wait > head_deadline > 0
+                        math.isfinite(head_lst) and ready <= head_lst < ready + wait
                     ),
                 )
             out[inst.instance_id] = decision
@@ -836,50 +1295,228 @@ class QLMPolicy(QueuePolicy):
 
     # ------------------------------------------------------------------ adopt a plan
     def _adopt(
-        self, queues, details, priced: _Priced, live, hw, now: float, models=(), grouping=None
+        self,
+        result: tuple[list[list[int]], dict[str, float], dict[str, tuple[Any, ...]], _Tables]
+        | None,
+        priced: _Priced,
+        live: list[PlanInstance],
+        profiles: tuple[
+            Mapping[tuple[int, int], HardwareProfile], Mapping[tuple[int, int], HardwareProfile]
+        ],
+        models: list[str],
+        now: float,
     ) -> None:
-        self._keys = {}
-        self._group_inst, self._group_last_pos, self._group_size = {}, {}, {}
-        self._inst_groups = {}
-        self._plan_len, self._suffix_slack, self._added, self._theta = {}, {}, {}, {}
-        self._completion = {}
+        """Keep what place()/sort_key()/wants_replan() need until the next plan: the sort
+        keys, each instance's kept work by key with its work tokens and slack, the timings."""
         self._planned_at = now
-        self._last_detail = (queues, details, priced.reqs, now) if details else None
         self._violation = False
         self._arrivals_since_plan = 0
-        reqs = priced.reqs
-        pos_of = np.full(len(reqs), -1.0)
-        inst_of = np.full(len(reqs), -1)
-        for g, q in enumerate(queues):
-            iid = live[g].instance_id
-            for k, i in enumerate(q):
-                self._keys[reqs[i].request_id] = (float(k), reqs[i].seq)
-            pos_of[q] = np.arange(len(q), dtype=float)
-            inst_of[q] = g
-            self._plan_len[iid] = len(q)
-            if details and len(q):
-                c_q, slack = details[g]
-                self._suffix_slack[iid] = np.minimum.accumulate(slack[::-1])[::-1]
-                self._completion[iid] = c_q
-                self._suffix_slack[iid + "#end"] = np.array([float(c_q.max())])
+        self._arrival_keys = {}
+        self._rates, self._default_rates = {}, {}
+        hw, lat = profiles
         for (g, m), p in hw.items():
-            self._theta[(live[g].instance_id, models[m])] = p.throughput_tps
-        if grouping is None:
-            self._index = GroupIndex()
-            self._next_gid = 0
+            self._rates[(live[g].instance_id, models[m])] = _Rate.of(
+                p, lat[(g, m)], self._switch(live[g], p, models[m])
+            )
+        self._lanes = {}
+        if result is None:
+            self._keys, self._last_detail = {}, None
             return
-        self._index = GroupIndex.from_grouping(grouping)
-        self._next_gid = len(grouping.groups)
-        for grp in grouping.groups:
-            homes = inst_of[grp.members]
-            homes = homes[homes >= 0]
-            if not len(homes):
+        final, done, keys, tab = result
+        self._keys = keys
+        self._last_detail = (done, now)
+        reqs = priced.reqs
+        tokens_of = np.fromiter((self.work_tokens(r) for r in reqs), np.float64, len(reqs))
+        for g, q in enumerate(final):
+            iid = live[g].instance_id
+            kept = [k for k in q if keys[reqs[k].request_id][0] == FEASIBLE]
+            timing = _lane_times(tab, g, kept)
+            due = np.array([keys[reqs[k].request_id][1] for k in kept], dtype=np.float64)
+            toks = tokens_of[kept] if kept else np.zeros(0)
+            start = timing.start + self.z * np.sqrt(timing.var)
+            slack = tab.lst[kept, g] - start if kept else np.zeros(0)
+            suffix = np.minimum.accumulate(np.append(slack, np.inf)[::-1])[::-1]
+            planned = float(tokens_of[q].sum()) if q else 0.0
+            occ = float(tab.occ[q, g].sum()) if q else 0.0
+            rate = self._rates.get((iid, models[0])) if models else None
+            s_per_token = occ / planned if planned > 0 else (rate.inv_tps if rate else 1e-4)
+            typical = tab.swap[g] - tab.switch[g]
+            self._lanes[iid] = _LaneState(
+                due,
+                toks,
+                np.concatenate(([0.0], np.cumsum(toks))),
+                suffix,
+                s_per_token,
+                planned,
+                models={models[int(tab.model_idx[k])] for k in q},
+                ranks=dict(self._tail_ranks[g]),
+                swap_s=float(typical[0]) if len(typical) else 0.0,
+            )
+
+
+@dataclass
+class _Timing:
+    start: np.ndarray
+    var: np.ndarray
+    switches: int
+    end: float
+
+
+def _lane_times(tab: _Tables, g: int, order: list[int]) -> _Timing:
+    """Start (and its variance) of each request of one queue, in order: occupancies add up
+    (eq. 2); a model switch waits for the previous run's last completion, then loads.
+    Vectorised run by run (a queue holds few model runs and many requests)."""
+    t, run_end = float(tab.first_slot[g]), float(tab.drain[g])
+    if not order:
+        return _Timing(np.zeros(0), np.zeros(0), 0, 0.0)
+    idx = np.asarray(order)
+    mi, occ, own = tab.model_idx[idx], tab.occ[idx, g], tab.own[idx, g]
+    cum_var = np.cumsum(tab.occ_var[idx, g])
+    var = np.concatenate(([0.0], cum_var[:-1]))
+    start = np.empty(len(idx))
+    cuts = np.flatnonzero(mi[1:] != mi[:-1]) + 1
+    model, switches = int(tab.init_model[g]), 0
+    for a, b in zip(np.concatenate(([0], cuts)), np.concatenate((cuts, [len(idx)])), strict=True):
+        m = int(mi[a])
+        if model != -1 and m != model:
+            t = max(t, run_end) + float(tab.switch[g, m])
+            run_end = 0.0
+            switches += 1
+        model = m
+        cum = np.cumsum(occ[a:b])
+        start[a:b] = t + cum - occ[a:b]
+        run_end = max(run_end, float((start[a:b] + own[a:b]).max()))
+        t += float(cum[-1])
+    return _Timing(start, var, switches, max(t, run_end))
+
+
+class _Walker:
+    """Walks candidate queues request by request with Moore-Hodgson displacement: a request
+    predicted to miss where it stands takes the place of the costliest request of the same
+    model run ahead of it (largest occupancy per unit of value) if that one costs more, is
+    worth no more, and its removal lets the newcomer meet; otherwise it is demoted. A removal
+    only moves later requests earlier, so everything kept still meets (this is Moore and
+    Hodgson's rule, optimal for the number of on-time jobs in EDF order on one machine).
+    Earlier runs are never touched: a switch waits for its run's drain, which a removal
+    there need not shorten."""
+
+    def __init__(self, tab: _Tables, priced: _Priced, z: float, demote: bool) -> None:
+        self.tab = tab
+        self.z = z
+        self.demote = demote
+        n_inst = tab.occ.shape[1]
+        self.model: list[int] = priced.model_idx.tolist()
+        columns: dict[int, tuple[list[float], ...]] = {}
+        for c in dict.fromkeys(tab.lane_class.tolist()):
+            columns[c] = tuple(a[:, c].tolist() for a in (tab.occ, tab.occ_var, tab.own, tab.lst))
+        per_lane = [columns[int(c)] for c in tab.lane_class]
+        self.occ = [col[0] for col in per_lane]
+        self.var = [col[1] for col in per_lane]
+        self.own = [col[2] for col in per_lane]
+        self.lst = [col[3] for col in per_lane]
+        self.switch = tab.switch.tolist()
+        self.prio: list[bool] = tab.prio.tolist()
+        self.cost: list[float] = tab.cost.tolist()
+        self.has_deadline: list[bool] = tab.has_deadline.tolist()
+        self.value: list[float] = priced.value.tolist()
+        self.values = priced.value
+        self.gone = [False] * len(self.model)
+        self.lanes = [
+            _Lane(
+                t=float(tab.first_slot[g]),
+                model=int(tab.init_model[g]),
+                run_end=float(tab.drain[g]),
+            )
+            for g in range(n_inst)
+        ]
+        self.tail: list[int] = []
+
+    def start(self, g: int, k: int) -> tuple[float, float]:
+        """When request k would start at the end of queue g (and the variance of that)."""
+        lane = self.lanes[g]
+        m = self.model[k]
+        if lane.model != -1 and m != lane.model:
+            return max(lane.t, lane.run_end) + self.switch[g][m], lane.var
+        return lane.t, lane.var
+
+    def step(self, g: int, k: int) -> bool:
+        """Append request k to queue g if it meets its SLO there (after displacing, maybe);
+        else demote it. True when kept."""
+        lane = self.lanes[g]
+        m = self.model[k]
+        new_run = lane.model != -1 and m != lane.model
+        start, var = self.start(g, k)
+        lst = self.lst[g][k]
+        z = self.z
+        if self.demote and not self.prio[k] and start + z * math.sqrt(var) > lst:
+            if new_run or not self._displace(lane, g, k, start, var):
+                self.tail.append(k)
+                return False
+            start, var = self.start(g, k)
+        if new_run:
+            lane.switches += 1
+            lane.heap = []
+            lane.run_end = 0.0
+        lane.model = m
+        lane.kept.append(k)
+        lane.t = start + self.occ[g][k]
+        lane.var = var + self.var[g][k]
+        lane.sd = math.sqrt(lane.var)
+        lane.run_end = max(lane.run_end, start + self.own[g][k])
+        if not self.prio[k]:
+            heapq.heappush(lane.heap, (-self.cost[k], k))
+        return True
+
+    def _displace(self, lane: _Lane, g: int, k: int, start: float, var: float) -> bool:
+        heap = lane.heap
+        while heap and self.gone[heap[0][1]]:
+            heapq.heappop(heap)
+        if not heap:
+            return False
+        neg_cost, j = heap[0]
+        no_deadline = not self.has_deadline[j]
+        if -neg_cost <= self.cost[k] or (self.value[j] > self.value[k] and not no_deadline):
+            return False
+        occ_j, var_j = self.occ[g][j], self.var[g][j]
+        if start - occ_j + self.z * math.sqrt(max(var - var_j, 0.0)) > self.lst[g][k]:
+            return False
+        heapq.heappop(heap)
+        self.gone[j] = True  # out of lane.kept when the walk ends (a list removal is O(n))
+        # without a deadline it is met wherever it waits: behind the kept work, not the tail
+        (lane.later if no_deadline else self.tail).append(j)
+        lane.t -= occ_j
+        lane.var = max(lane.var - var_j, 0.0)
+        lane.sd = math.sqrt(lane.var)
+        return True
+
+    def result(self) -> _Walk:
+        met, worth, switches, makespan = 0, 0.0, 0, 0.0
+        tab = self.tab
+        for g, lane in enumerate(self.lanes):
+            lane.kept = [k for k in lane.kept if not self.gone[k]]
+            order = lane.kept + lane.later
+            timing = _lane_times(tab, g, order)
+            switches += timing.switches
+            makespan = max(makespan, timing.end)
+            if not order:
                 continue
-            g = Counter(homes.tolist()).most_common(1)[0][0]
-            self._group_inst[grp.gid] = live[g].instance_id
-            self._inst_groups.setdefault(live[g].instance_id, set()).add(grp.gid)
-            self._group_last_pos[grp.gid] = float(pos_of[grp.members][homes == g].max())
-            self._group_size[grp.gid] = len(grp.members)
+            idx = np.asarray(order)
+            meets = timing.start + self.z * np.sqrt(timing.var) <= tab.lst[idx, g]
+            ok = ~tab.has_deadline[idx] | (~tab.prio[idx] & meets)
+            met += int(ok.sum())
+            worth += float(self.values[idx][ok].sum())
+        return _Walk(self.lanes, self.tail, met, worth, switches, makespan)
+
+
+def _latest_start(r: PlanRequest, prefill_s: float, own_s: float) -> float:
+    """The latest start (absolute s) at which ``r`` meets its e2e deadline (finishing
+    ``own_s`` later) and its TTFT deadline (first token ``prefill_s`` later); inf: none."""
+    due = math.inf
+    if r.deadline is not None:
+        due = r.deadline - own_s
+    if r.ttft_deadline is not None:
+        due = min(due, r.ttft_deadline - prefill_s)
+    return due
 
 
 def _score(p: GroupProblem, g: int, order: list[int]) -> float:

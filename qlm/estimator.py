@@ -30,6 +30,7 @@ symbol to the paper.
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from functools import lru_cache
@@ -44,6 +45,12 @@ from qlm.engine_model import EngineProfile, InsufficientMemoryError, get_profile
 FALLBACK_GPU = "A100-80GB"
 FALLBACK_MODEL = "mistral-7b"
 PRIOR_TABLES = ("sharegpt", "arxiv", "azure-conv", "azure-code", "max_tokens")
+
+
+@lru_cache(maxsize=64)
+def normal_quantile(q: float) -> float:
+    """Φ⁻¹(q), cached: scipy's ppf costs ~0.1 ms a call, and a few levels are asked for."""
+    return float(norm.ppf(q))
 
 
 @lru_cache(maxsize=256)
@@ -117,32 +124,55 @@ class HardwareProfile:
         return "swap" if fits and swap_s < recompute_s else "evict"
 
 
-def typical_batch(profile: EngineProfile, kv_capacity: int, max_batch: int, ctx: int) -> int:
-    return max(1, min(max_batch, profile.max_batch_size, kv_capacity // max(ctx, 1)))
+def typical_batch(
+    profile: EngineProfile, kv_capacity: int, max_batch: int, ctx: int, kv_fraction: float = 1.0
+) -> int:
+    fit = int(kv_capacity * kv_fraction) // max(ctx, 1)
+    return max(1, min(max_batch, profile.max_batch_size, fit))
 
 
 @lru_cache(maxsize=4096)
 def hardware_profile(
-    gpu_type: str, model: str, kv_capacity: int, max_batch: int, ctx: int, prompt_ratio: float = 0.0
+    gpu_type: str,
+    model: str,
+    kv_capacity: int,
+    max_batch: int,
+    ctx: int,
+    prompt_ratio: float = 0.0,
+    kv_fraction: float = 1.0,
 ) -> HardwareProfile:
     """Derive the §6 constants from the engine model at a typical batch of ``ctx``-token
     sequences (``ctx`` = mean prompt + half the mean output, as a sequence is on average half
     way through its decode).
+
+    ``kv_fraction`` is the share of the KV cache the running batch fills: 1 (the default) is
+    the cache's capacity; an agent that stops pulling at a utilisation threshold (the
+    simulator's and the live agent's 90 %, ``qlm.engine_scheduler.KV_SATURATED_FRACTION``)
+    runs a batch that fills about that share, not the whole cache.
 
     ``prompt_ratio`` is the workload's prompt tokens per output token. With continuous batching
     the prefills of the requests that replace finished ones run inside the decode batch: in
     steady state ``b / mean output`` requests finish per iteration and as many prompts are
     prefilled, so each iteration carries ``b · prompt_ratio`` prefill tokens. ε includes them,
     as an ε measured on the workload (the paper's profiling) would; Θ stays the decode rate,
-    since the waiting time already prices prompt tokens at 1/Π (eq. 2)."""
+    since the waiting time already prices prompt tokens at 1/Π (eq. 2). The engine fills an
+    iteration's token budget with prompt chunks beside the decode batch, and an iteration
+    costs the larger of its compute and its memory traffic (the roofline): a chunk adds the
+    difference between a mixed iteration and a pure decode one, not a prefill's whole time
+    (a decode batch is memory-bound, so the prompt's compute partly hides under it). So a
+    share ``b · prompt_ratio / chunk`` of the iterations carries a full chunk."""
     ep = engine_profile(gpu_type, model)
     kv = kv_capacity if kv_capacity > 0 else ep.kv_capacity_tokens
-    b = typical_batch(ep, kv, max_batch, ctx)
+    b = typical_batch(ep, kv, max_batch, ctx, kv_fraction)
     it1 = ep.decode_iteration_time(1, ctx)
     itb = ep.decode_iteration_time(b, ctx)
     p_small, p_big = ep.prefill_time(1), ep.prefill_time(ep.max_num_batched_tokens)
     per_token = (p_big - p_small) / max(ep.max_num_batched_tokens - 1, 1)
-    interleaved = b * max(prompt_ratio, 0.0) * p_big / ep.max_num_batched_tokens
+    interleaved = 0.0
+    if prompt_ratio > 0:
+        chunk = max(ep.max_num_batched_tokens - b, 1)  # the budget left beside the decode
+        mixed = ep.iteration_time(chunk, b, b * ctx)
+        interleaved = b * prompt_ratio / chunk * max(mixed - itb, 0.0)
     return HardwareProfile(
         gpu_type=gpu_type,
         model=model,
@@ -193,21 +223,51 @@ def prior_sample(table: str) -> np.ndarray:
 
 class _Sample:
     """A sorted sample with prefix sums: truncated moments E[min(O,m)], E[min(O,m)²] for many m
-    at once by binary search."""
+    at once by binary search.
+
+    The history of a key changes by one completion at a time, so the sample is kept sorted by
+    inserting (and dropping the value that leaves the window) in place, O(n) memory moves,
+    instead of re-sorting after every completion; the prefix sums are rebuilt, O(n), only
+    when a prediction needs them."""
 
     def __init__(self, values: np.ndarray) -> None:
         self.values = np.sort(values.astype(np.float64))
-        self.cum = np.concatenate(([0.0], np.cumsum(self.values)))
-        self.cum2 = np.concatenate(([0.0], np.cumsum(self.values**2)))
+        self._cum: np.ndarray | None = None
+        self._cum2: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.values)
 
+    def add(self, value: float, drop: float | None = None) -> None:
+        """Insert ``value`` and, when the window is full, remove one copy of ``drop``."""
+        v = self.values
+        if drop is not None:
+            k = int(np.searchsorted(v, drop, side="left"))
+            if k < len(v) and v[k] == drop:
+                v = np.delete(v, k)
+        self.values = np.insert(v, int(np.searchsorted(v, value, side="right")), value)
+        self._cum = self._cum2 = None
+
+    def _sums(self) -> tuple[np.ndarray, np.ndarray]:
+        if self._cum is None or self._cum2 is None:
+            self._cum = np.concatenate(([0.0], np.cumsum(self.values)))
+            self._cum2 = np.concatenate(([0.0], np.cumsum(self.values**2)))
+        return self._cum, self._cum2
+
+    @property
+    def cum(self) -> np.ndarray:
+        return self._sums()[0]
+
+    @property
+    def cum2(self) -> np.ndarray:
+        return self._sums()[1]
+
     def truncated_moments(self, cap: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         n = len(self.values)
+        cum, cum2 = self._sums()
         k = np.searchsorted(self.values, cap, side="left")  # values below the cap
-        m1 = (self.cum[k] + cap * (n - k)) / n
-        m2 = (self.cum2[k] + cap**2 * (n - k)) / n
+        m1 = (cum[k] + cap * (n - k)) / n
+        m2 = (cum2[k] + cap**2 * (n - k)) / n
         return m1, m2
 
 
@@ -230,7 +290,7 @@ class OutputLengthModel:
         self.prior = prior
         self.prior_weight = prior_weight
         self.history_limit = history_limit
-        self._history: dict[tuple[str, str | None], list[float]] = {}
+        self._history: dict[tuple[str, str | None], deque[float]] = {}
         self._samples: dict[tuple[str, str | None], _Sample] = {}
         self._prior: _Sample | None = None
 
@@ -251,11 +311,13 @@ class OutputLengthModel:
         if output_tokens < 0:
             raise ValueError("output_tokens must be >= 0")
         key = (model, slo_class)
-        hist = self._history.setdefault(key, [])
-        hist.append(float(max(output_tokens, 1)))
-        if len(hist) > self.history_limit:
-            del hist[: len(hist) - self.history_limit]
-        self._samples.pop(key, None)  # rebuilt lazily at the next prediction
+        hist = self._history.setdefault(key, deque())
+        value = float(max(output_tokens, 1))
+        hist.append(value)
+        drop = hist.popleft() if len(hist) > self.history_limit else None
+        sample = self._samples.get(key)
+        if sample is not None:  # kept sorted in place (built at the first prediction)
+            sample.add(value, drop)
 
     def history_size(self, model: str, slo_class: str | None) -> int:
         return len(self._history.get((model, slo_class), ()))
@@ -298,6 +360,25 @@ class OutputLengthModel:
         else:
             m1, m2 = p1, p2
         return m1, np.maximum(m2 - m1**2, 0.0)
+
+    def upper_bound(
+        self,
+        model: str,
+        slo_class: str | None,
+        max_tokens: np.ndarray,
+        q: float,
+        *,
+        prompt_tokens: np.ndarray | None = None,
+        tenants: Sequence[str | None] | None = None,
+        tasks: Sequence[str | None] | None = None,
+    ) -> np.ndarray:
+        """A q-quantile bound of each request's output tokens: mean + z_q·σ of the truncated
+        fit, in [1, max_tokens] (per-request models give a per-request quantile instead)."""
+        if not 0.0 < q < 1.0:
+            raise ValueError(f"q must lie in (0, 1), got {q!r}")
+        caps = np.maximum(np.atleast_1d(np.asarray(max_tokens, dtype=np.float64)), 1.0)
+        mean, var = self.predict(model, slo_class, caps)
+        return np.clip(mean + normal_quantile(q) * np.sqrt(var), 1.0, caps)
 
 
 # ------------------------------------------------------------------ the max of n (eq. 5)
@@ -363,11 +444,15 @@ class RCTEstimator:
         max_batch: int,
         ctx: float,
         prompt_ratio: float = 0.0,
+        kv_fraction: float = 1.0,
     ) -> HardwareProfile:
         """``prompt_ratio``: prompt tokens per output token of the requests priced (0: the
-        prefills of later arrivals are not counted in the per-token time)."""
+        prefills of later arrivals are not counted in the per-token time). ``kv_fraction``: the
+        share of the KV cache the running batch fills (see :func:`hardware_profile`)."""
         ratio = round(prompt_ratio, 1) if prompt_ratio < 10 else float(round(prompt_ratio))
-        return hardware_profile(gpu_type, model, kv_capacity, max_batch, bucket_ctx(ctx), ratio)
+        return hardware_profile(
+            gpu_type, model, kv_capacity, max_batch, bucket_ctx(ctx), ratio, round(kv_fraction, 3)
+        )
 
     @staticmethod
     def group_moments_array(

@@ -104,7 +104,9 @@ def test_the_planner_maximises_service_gain_when_asked() -> None:
     from qlm.policy import PlanInstance, PlanRequest
 
     inst = [PlanInstance("a", ("mistral-7b",), "A100-80GB", 100_000, 1)]
-    reqs = [PlanRequest("big", "mistral-7b", 4000, 1500, 0.0, 15.0, None, seq=1)]
+    # 1,450 output tokens: alone it takes ~14.6 s at batch 1 (its decode priced at the context
+    # it holds, ~4,700 tokens), so it can meet 15 s
+    reqs = [PlanRequest("big", "mistral-7b", 4000, 1450, 0.0, 15.0, None, seq=1)]
     reqs += [
         PlanRequest(f"s{k}", "mistral-7b", 50, 40, 0.0, 15.0, None, seq=2 + k) for k in range(3)
     ]

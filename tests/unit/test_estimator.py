@@ -145,3 +145,46 @@ def test_preemption_mode_follows_insight_2() -> None:
     fast_link = dataclasses.replace(HW, kv_transfer_s_per_token=0.0)
     assert fast_link.preemption_mode(2000, None) == "swap"
     assert isinstance(HW, HardwareProfile) and math.isfinite(HW.recompute_s_per_token)
+
+
+def test_the_batch_actually_run_and_the_prefill_it_carries() -> None:
+    """The KV share the agent fills gives a smaller batch than the whole cache (hence a
+    faster token, a lower throughput); the prompt chunks interleaved with the decode add
+    the mixed iteration's extra over a pure decode one (the roofline), less than a whole
+    prefill's time per chunk."""
+    ep = get_profile("A100-80GB", "mistral-7b")
+    full = hardware_profile("A100-80GB", "mistral-7b", 469_664, 256, 2355)
+    filled = hardware_profile("A100-80GB", "mistral-7b", 469_664, 256, 2355, 0.0, 0.9)
+    assert filled.batch == int(469_664 * 0.9) // 2355 < full.batch
+    assert filled.token_time_s < full.token_time_s
+    assert filled.throughput_tps < full.throughput_tps
+    mixed = hardware_profile("A100-80GB", "mistral-7b", 469_664, 256, 2355, 4.6, 0.9)
+    b = mixed.batch
+    chunk = ep.max_num_batched_tokens - b
+    decode = ep.decode_iteration_time(b, 2355)
+    extra = ep.iteration_time(chunk, b, b * 2355) - decode
+    assert mixed.token_time_s == pytest.approx(decode + b * 4.6 / chunk * extra)
+    linear = b * 4.6 * ep.prefill_time(ep.max_num_batched_tokens) / ep.max_num_batched_tokens
+    assert filled.token_time_s < mixed.token_time_s < decode + linear
+
+
+def test_the_history_stays_sorted_without_resorting() -> None:
+    """Observations update the sorted sample in place (a window of 50 here): predictions equal
+    those of a sample rebuilt from scratch."""
+    rng = np.random.default_rng(3)
+    model = OutputLengthModel("max_tokens", prior_weight=0.0, history_limit=50)
+    window: list[float] = []
+    caps = np.array([10.0, 300.0, 5000.0])
+    for i in range(400):
+        value = int(rng.integers(1, 1000))
+        model.observe("m", None, value)
+        window = [*window, float(value)][-50:]
+        if i % 3 == 0:
+            fresh = OutputLengthModel("max_tokens", prior_weight=0.0, history_limit=50)
+            for v in window:
+                fresh.observe("m", None, int(v))
+            got, want = model.predict("m", None, caps), fresh.predict("m", None, caps)
+            np.testing.assert_allclose(got[0], want[0])
+            np.testing.assert_allclose(got[1], want[1], atol=1e-6)
+    bound = model.upper_bound("m", None, caps, 0.9)
+    assert (bound <= caps).all() and bound[2] > model.predict("m", None, caps)[0][2]

@@ -21,7 +21,7 @@ from qlm.planner.milp import (
     solve_exact,
     solve_slots,
 )
-from qlm.planner.stochastic import QLMPolicy
+from qlm.planner.stochastic import ALIVE, FEASIBLE, HOPELESS, TAIL, QLMPolicy
 from qlm.policy import PlanInstance, PlanRequest
 from qlm.tooling.bench_planner import NOW, build_instances, build_queue
 from qlm.virtual_queue import VirtualQueue
@@ -62,7 +62,9 @@ def test_never_below_edf_on_the_shared_yardstick(slo: str) -> None:
         assert rec is None or (rec["count"] >= 1 and rec["gpu_type"] in {"A100-80GB", "H100-80GB"})
 
 
-def test_sort_keys_follow_the_plan_and_arrivals_join_their_group() -> None:
+def test_sort_keys_follow_the_plan_and_arrivals_take_their_edf_position() -> None:
+    """Planned queues are sorted by their keys; an arrival that can make its SLO lands at its
+    EDF position (by latest start) among the kept work, ahead of the best-effort tail."""
     reqs, insts = build_queue(400, 4, "loose"), build_instances(4)
     pol = QLMPolicy()
     plan = pol.plan(reqs, insts, NOW)
@@ -74,8 +76,6 @@ def test_sort_keys_follow_the_plan_and_arrivals_join_their_group() -> None:
         vqs[iid] = VirtualQueue(iid)
         vqs[iid].replace([(rid, pol.sort_key(by_id[rid])) for rid in ids])
     assert pol.wants_replan(NOW) is False
-    # an arrival identical to a planned request lands on an instance serving it, after the
-    # planned members of the group it joined
     twin = reqs[0]
     new = PlanRequest(
         "new",
@@ -93,21 +93,43 @@ def test_sort_keys_follow_the_plan_and_arrivals_join_their_group() -> None:
     assert target is not None and next(i for i in insts if i.instance_id == target).serves(
         new.model
     )
-    pos = vqs[target].insert("new", pol.sort_key(new))
-    assert 0 < pos <= len(plan.queues[target])
+    key = pol.sort_key(new)
+    pos = vqs[target].insert("new", key)
+    ids = plan.queues[target]
+    before = [pol.sort_key(by_id[rid]) for rid in ids[:pos]]
+    after = [pol.sort_key(by_id[rid]) for rid in ids[pos:]]
+    assert all(k <= key for k in before) and all(k > key for k in after)
+    if key[0] == FEASIBLE:  # kept work: its latest start against the planned ones'
+        assert all(k[0] == FEASIBLE and k[1] <= key[1] for k in before)
+        assert all(k[0] == TAIL or k[1] > key[1] for k in after)
 
 
-def test_an_arrival_that_would_miss_its_slo_asks_for_a_replan() -> None:
-    reqs, insts = build_queue(400, 4, "loose"), build_instances(4)
+def test_an_arrival_that_could_make_it_asks_for_a_replan() -> None:
+    """An arrival that misses at its EDF position but could still make its SLO (if costlier
+    work ahead gave way) asks for a replan; a hopeless one does not (no plan can save it), nor
+    do those that fit; a plan older than max_plan_age_s does once something arrived."""
     pol = QLMPolicy(max_plan_age_s=5.0)
-    pol.plan(reqs, insts, NOW)
+    inst = [PlanInstance("i0", ("mistral-7b",), "A100-80GB", 400_000, 256)]
+    pol.plan([], inst, NOW)
+    load = {"i0": 0.0}
+
+    def arrive(rid: str, deadline_s: float, out: int = 20) -> tuple:
+        r = PlanRequest(rid, "mistral-7b", 2000, out, NOW, NOW + deadline_s, None, seq=len(load))
+        assert pol.place(r, inst, load, NOW) == "i0"
+        load["i0"] += pol.work_tokens(r)
+        return pol.sort_key(r)
+
+    assert arrive("hopeless", 0.01)[:2] == (TAIL, HOPELESS)
     assert not pol.wants_replan(NOW + 1)
-    urgent = PlanRequest("urgent", "mistral-7b", 100, 50, NOW, NOW + 0.01, None, seq=99_999)
-    pol.place(urgent, insts, {i.instance_id: 0.0 for i in insts}, NOW)
-    assert pol.wants_replan(NOW)
-    pol.plan(reqs, insts, NOW)
-    relaxed = PlanRequest("relaxed", "mistral-7b", 10, 5, NOW, NOW + 1e7, None, seq=99_998)
-    pol.place(relaxed, insts, {i.instance_id: 0.0 for i in insts}, NOW)
+    # identical arrivals fill the instance until one no longer fits ahead of its deadline
+    keys = [arrive(f"f{k}", 20.0) for k in range(1000)]
+    first_tail = next(k for k, key in enumerate(keys) if key[0] == TAIL)
+    assert first_tail > 10 and keys[first_tail][1] == ALIVE
+    assert all(key[0] == FEASIBLE for key in keys[:first_tail])
+    assert pol.wants_replan(NOW + 1)
+    pol.plan([], inst, NOW)
+    load["i0"] = 0.0
+    assert arrive("relaxed", 1e7)[0] == FEASIBLE
     assert not pol.wants_replan(NOW + 1)
     assert pol.wants_replan(NOW + 6)  # the plan is older than max_plan_age_s
 

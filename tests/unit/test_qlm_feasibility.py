@@ -1,0 +1,197 @@
+"""The ``qlm`` planner's per-request feasibility: demotion to a best-effort tail, Moore-Hodgson
+displacement, the length bound, ties on model switches, LSO preemption, place()'s bookkeeping."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from qlm.planner.stochastic import (
+    ALIVE,
+    FEASIBLE,
+    HOPELESS,
+    PENDING_MAX,
+    TAIL,
+    QLMPolicy,
+    _LaneState,
+)
+from qlm.policy import PlanInstance, PlanRequest
+from qlm.virtual_queue import VirtualQueue
+
+A100 = "A100-80GB"
+NOW = 1_000.0
+
+
+def inst(iid: str = "i0", models: tuple[str, ...] = ("mistral-7b",), **kw: object) -> PlanInstance:
+    return PlanInstance(iid, models, A100, 400_000, kw.pop("max_batch", 256), **kw)  # type: ignore[arg-type]
+
+
+def req(rid: str, deadline_s: float, out: int, *, prompt: int = 200, seq: int = 0, **kw: object):
+    return PlanRequest(
+        rid,
+        str(kw.get("model", "mistral-7b")),
+        prompt,
+        out,
+        float(kw.get("arrival", NOW)),  # type: ignore[arg-type]
+        NOW + deadline_s,
+        None,
+        seq=seq,
+    )
+
+
+def test_an_infeasible_request_sorts_behind_a_later_feasible_one() -> None:
+    """A request that can no longer make its deadline (500 tokens in 3 s) goes to the tail,
+    behind one that arrived after it and can; an arrival after the plan that can make it
+    goes ahead of the tail too."""
+    late = req("late", 3.0, 500, arrival=NOW - 50, seq=1)
+    fresh = req("fresh", 100.0, 20, seq=2)
+    pol = QLMPolicy()
+    i0 = [inst()]
+    plan = pol.plan([late, fresh], i0, NOW)
+    assert plan.queues["i0"] == ["fresh", "late"]
+    assert plan.meta["demoted"] == 1 and plan.meta["predicted_met"] == 1
+    assert pol.sort_key(late)[:2] == (TAIL, HOPELESS) and pol.sort_key(fresh)[0] == FEASIBLE
+    vq = VirtualQueue("i0")
+    vq.replace([(r.request_id, pol.sort_key(r)) for r in (fresh, late)])
+    newer = req("newer", 200.0, 20, seq=3)
+    load = {"i0": float(pol.work_tokens(fresh) + pol.work_tokens(late))}
+    assert pol.place(newer, i0, load, NOW) == "i0"
+    vq.insert("newer", pol.sort_key(newer))
+    assert list(vq) == ["fresh", "newer", "late"]
+
+
+def test_without_demotion_the_hopeless_request_keeps_its_place() -> None:
+    late = req("late", 3.0, 500, arrival=NOW - 50, seq=1)
+    fresh = req("fresh", 100.0, 20, seq=2)
+    plan = QLMPolicy(demote=False).plan([late, fresh], [inst()], NOW)
+    assert plan.queues["i0"] == ["late", "fresh"] and plan.meta["demoted"] == 0
+
+
+def serial_case() -> list[PlanRequest]:
+    """One request at a time (max_batch 1): a long request with the earliest latest start,
+    then twelve short ones that all fit only if the long one gives way."""
+    long = req("long", 16.0, 600, seq=0)
+    short = [req(f"s{k}", 14.0, 100, seq=1 + k) for k in range(12)]
+    return [long, *short]
+
+
+def test_moore_hodgson_displaces_the_costliest_request() -> None:
+    reqs = serial_case()
+    i0 = [inst(max_batch=1)]
+    walked = QLMPolicy(group_candidates=False).plan(reqs, i0, NOW)
+    kept_in_order = QLMPolicy(demote=False, group_candidates=False).plan(reqs, i0, NOW)
+    assert kept_in_order.queues["i0"][0] == "long"  # the earliest latest start
+    assert walked.queues["i0"][-1] == "long"
+    assert walked.meta["predicted_met"] == 12
+    assert walked.meta["predicted_met"] > kept_in_order.meta["predicted_met"]
+
+
+def test_the_length_bound_decides_feasibility() -> None:
+    """Same prompt and deadline: the request whose max_tokens bounds its output at 20 tokens
+    can make 10 s, the one that may write 2,000 cannot (no completions seen: the bound is the
+    cap, the conservative prior)."""
+    short = req("short", 10.0, 20, seq=1)
+    long = req("long", 10.0, 2000, seq=2)
+    pol = QLMPolicy()
+    plan = pol.plan([long, short], [inst()], NOW)
+    assert plan.queues["i0"] == ["short", "long"]
+    assert pol.sort_key(short)[0] == FEASIBLE and pol.sort_key(long)[0] == TAIL
+
+
+def test_a_tie_goes_to_fewer_model_switches() -> None:
+    """Everything meets its SLO in every candidate; request-level EDF alternates the two
+    models, the group plan runs each model once: the plan with fewer switches wins."""
+    reqs = [
+        req(f"r{i}", 600.0 + i, 20, prompt=50, seq=i, model=("mistral-7b", "vicuna-13b")[i % 2])
+        for i in range(40)
+    ]
+    i0 = [inst(models=("mistral-7b", "vicuna-13b"), active_model="mistral-7b")]
+    plan = QLMPolicy().plan(reqs, i0, NOW)
+    assert plan.meta["candidates"]["edf"] == plan.meta["predicted_met"] == 40
+    assert plan.meta["chosen"] != "edf" and plan.meta["switches"] <= 1
+    models = [r.model for rid in plan.queues["i0"] for r in reqs if r.request_id == rid]
+    assert sum(a != b for a, b in zip(models, models[1:], strict=False)) <= 1
+
+
+def test_preemption_only_where_the_head_waits_for_a_drain() -> None:
+    """A switch waits for the whole running batch: preempt when the head misses waiting for
+    it and meets without. A request of the running model waits for nothing while the batch
+    has room (200 running on a 256 cap with 400k tokens of KV: the requests the policy never
+    saw count as typical ones)."""
+    both = ("mistral-7b", "vicuna-13b")
+    busy = inst(models=both, active_model="vicuna-13b", running=200)
+    same = QLMPolicy().plan([req("u", 12.0, 50, model="vicuna-13b")], [busy], NOW)
+    assert same.lso["i0"].preempt_running is False
+    pol = QLMPolicy()
+    urgent = req("u", 12.0, 50, model="mistral-7b")
+    switch = pol.plan([urgent], [busy], NOW)
+    entry = switch.lso["i0"]
+    assert entry.model_switch is True and entry.preempt_running is True
+    relaxed = QLMPolicy().plan([req("r", 3600.0, 50, model="mistral-7b")], [busy], NOW)
+    assert relaxed.lso["i0"].preempt_running is False
+    assert entry.head_requests == ("u",) and entry.preemption_mode in {"swap", "evict"}
+
+
+def test_a_full_batch_of_long_requests_is_preempted_for_urgent_ones() -> None:
+    """Eight 3,000-token requests fill an 8-sequence engine (the policy planned them, then
+    they left the queue): the next slot frees in tens of seconds, so ten urgent requests of
+    the same model (2 s) can only make it if the batch is evicted, which costs far less than
+    it saves. Short running requests free a slot at once: no eviction."""
+    eight = inst(max_batch=8, active_model="mistral-7b")
+    for length, expect in ((3000, True), (30, False)):
+        pol = QLMPolicy()
+        batch = [req(f"b{k}", 3600.0, length, prompt=500, seq=k) for k in range(8)]
+        pol.plan(batch, [eight], NOW)
+        running = PlanInstance(
+            "i0", ("mistral-7b",), A100, 400_000, 8, active_model="mistral-7b", running=8
+        )
+        urgent = [req(f"c{k}", 2.0, 50, prompt=100, seq=10 + k) for k in range(10)]
+        plan = pol.plan(urgent, [running], NOW + 1.0)
+        assert plan.lso["i0"].preempt_running is expect, length
+        if expect:
+            assert plan.meta["predicted_met"] >= 8
+
+
+def test_the_lane_state_counts_the_work_ahead_exactly() -> None:
+    """place()'s bookkeeping: planned work by key plus arrivals since (merged into the sorted
+    arrays every PENDING_MAX), less what was dispatched from the head, equals a brute-force
+    sum, before and after merges."""
+    rng = random.Random(5)
+    planned = sorted((rng.uniform(0, 100), rng.uniform(1, 50)) for _ in range(200))
+    due = np.maximum.accumulate(np.array([d for d, _ in planned]))
+    toks = np.array([t for _, t in planned])
+    lane = _LaneState(
+        due,
+        toks,
+        np.concatenate(([0.0], np.cumsum(toks))),
+        np.full(len(toks) + 1, np.inf),
+        1e-3,
+        float(toks.sum()),
+    )
+    entries = list(zip(due.tolist(), toks.tolist(), strict=True))
+    for n in range(3 * PENDING_MAX):
+        d, t = rng.uniform(0, 100), rng.uniform(1, 50)
+        lane.placed += t
+        lane.add_pending(d, t)
+        entries.append((d, t))
+        x = rng.uniform(0, 110)
+        brute = sum(tok for dd, tok in entries if dd <= x)
+        assert lane.ahead_tokens(x, lane.placed) == pytest.approx(brute), n
+    # dispatching from the head: what was taken is no longer ahead of anyone
+    x = 1e9
+    assert lane.ahead_tokens(x, lane.placed - 100.0) == pytest.approx(lane.placed - 100.0)
+    # queued work this state never saw (no place() for it) counts as ahead
+    assert lane.ahead_tokens(-1.0, lane.placed + 7.0) == pytest.approx(7.0)
+
+
+def test_arrival_keys_are_bounded_and_fresh() -> None:
+    pol = QLMPolicy()
+    i0 = [inst()]
+    first = req("first", 50.0, 20, seq=1)
+    pol.place(first, i0, {"i0": 0.0}, NOW)
+    assert pol.sort_key(first)[0] == FEASIBLE
+    assert pol.sort_key(req("unseen", 50.0, 20, seq=9))[0] == TAIL  # never placed nor planned
+    keys = {ALIVE, HOPELESS}
+    assert keys == {0, 1}
