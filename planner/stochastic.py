@@ -130,10 +130,17 @@ class QLMConfig:
     # Candidate orders from the group plan (greedy, local search, MILP) beside request-level
     # EDF; they decide model runs where instances serve several models
     group_candidates: bool = True
+    # The output-length quantile at which a request counts as able to meet its SLO in the
+    # per-request walk (None: Δ). Clients send caps, not lengths, so a request's length is
+    # known only as a distribution: a Δ-quantile calls every interactive request of a typical
+    # mix hopeless, although its short outputs would meet if served first.
+    feasible_quantile: float | None = None
 
     def __post_init__(self) -> None:
         if not 0.5 <= self.slo_quantile < 1:
             raise ValueError("slo_quantile (Δ) must be in [0.5, 1)")
+        if self.feasible_quantile is not None and not 0 < self.feasible_quantile < 1:
+            raise ValueError("feasible_quantile must be in (0, 1)")
         if self.budget_clock not in ("wall", "work"):
             raise ValueError("budget_clock must be 'wall' or 'work'")
         if self.time_budget_s < 0 or self.head_groups < 1:
@@ -527,6 +534,11 @@ class QLMPolicy(QueuePolicy):
             left = self._left[iid] = deque(maxlen=DISPATCH_MEMORY)
         left.append((model, out, (seen + now) / 2, prompt))
 
+    @property
+    def _feasible_q(self) -> float:
+        q = self.config.feasible_quantile
+        return self.config.slo_quantile if q is None else q
+
     # ------------------------------------------------------------------ place() helpers
     def _lengths_of(self, r: PlanRequest) -> tuple[float, float]:
         """(mean, Δ-quantile bound) of one request's output tokens."""
@@ -535,7 +547,7 @@ class QLMPolicy(QueuePolicy):
         prompt = np.array([r.prompt_tokens], dtype=np.float64)
         mean, _ = lengths.predict(r.model, r.slo_class, cap, prompt_tokens=prompt)
         bound = lengths.upper_bound(
-            r.model, r.slo_class, cap, self.config.slo_quantile, prompt_tokens=prompt
+            r.model, r.slo_class, cap, self._feasible_q, prompt_tokens=prompt
         )
         return float(mean[0]), float(bound[0])
 
@@ -716,7 +728,7 @@ class QLMPolicy(QueuePolicy):
                 model, cls, max_tok[ix], prompt_tokens=prompt[ix]
             )
             out_bound[ix] = lengths.upper_bound(
-                model, cls, max_tok[ix], self.config.slo_quantile, prompt_tokens=prompt[ix]
+                model, cls, max_tok[ix], self._feasible_q, prompt_tokens=prompt[ix]
             )
         inf = math.inf
         e2e = np.fromiter((r.deadline if r.deadline is not None else inf for r in reqs), float, n)
