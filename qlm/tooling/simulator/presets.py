@@ -154,7 +154,11 @@ def agentic(duration_s: float | None = None, rates: list[float] | None = None) -
 PRESETS: dict[str, Preset] = {
     p.name: p
     for p in (
-        Preset("wb", "overload: qlm >= fcfs + 40 points and >= edf at every load point"),
+        Preset(
+            "wb",
+            "qlm >= every baseline - 1 point; at 16/20 req/s >= vllm + 40 and >= the best of "
+            "fcfs/edf/edf-shed + 5 points; throughput >= vllm and >= 0.97x fcfs",
+        ),
         Preset("wb-ablation", "removing each default LSO lowers attainment or throughput"),
         Preset("wa", "qlm throughput >= 3x fcfs and >= edf with >= 50 % tail models"),
         Preset("wa-share", "(Fig. 9) attainment vs latency-sensitive share"),
