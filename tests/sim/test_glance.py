@@ -55,7 +55,7 @@ def test_the_table_replaces_only_the_marked_block(tmp_path: Path) -> None:
     write_into(page, table)
     text = page.read_text()
     assert text.startswith("# title\n") and text.endswith(f"{END}\nrest\n")
-    assert "old" not in text and "| s | 3 |" in text
+    assert "\nold\n" not in text and "| s | older run, clairvoyant | 3 |" in text
     with pytest.raises(ValueError, match="no"):
         write_into(_unmarked(tmp_path), table)
 

@@ -38,6 +38,17 @@ class GlanceRow:
     target: str
     met: bool
     why: str
+    inputs: str = "caps"  # max_tokens: clients' caps, the true output, or an older run
+
+
+def _inputs(summary: Mapping[str, Any]) -> str:
+    """What the run's policies were told: clients' caps (the default since issue 17), the true
+    output (a labelled clairvoyant run), or a run from before the simulator drove the product's
+    core, when every max_tokens was the true output."""
+    flag = summary.get("clairvoyant_max_tokens")
+    if flag is None:
+        return "older run, clairvoyant"
+    return "clairvoyant" if flag else "caps"
 
 
 def _at(value: Any, k: int | None) -> Any:
@@ -80,6 +91,7 @@ def glance_row(summary: Mapping[str, Any]) -> GlanceRow:
             target="its own checks",
             met=met,
             why=_own_why(own_checks),
+            inputs=_inputs(summary),
         )
     worst: tuple[float, int | None, str, float, float] | None = None
     for k in points:
@@ -118,6 +130,7 @@ def glance_row(summary: Mapping[str, Any]) -> GlanceRow:
         + (" and its own checks" if own_checks else ""),
         met=shared_ok and own_ok,
         why=why,
+        inputs=_inputs(summary),
     )
 
 
@@ -171,14 +184,15 @@ def _fmt(value: float | None) -> str:
 
 def glance_markdown(rows: Sequence[GlanceRow]) -> str:
     head = (
-        "| scenario | seeds | deciding point | qlm % | best baseline % | hindsight bound % "
-        "| target | met | why |\n|---|---:|---|---:|---|---:|---|---|---|\n"
+        "| scenario | max_tokens | seeds | deciding point | qlm % | best baseline % "
+        "| hindsight bound % | target | met | why |\n"
+        "|---|---|---:|---|---:|---|---:|---|---|---|\n"
     )
     lines = []
     for r in rows:
         base = "–" if r.baseline is None else f"{r.baseline} {_fmt(r.baseline_value)}"
         lines.append(
-            f"| {r.scenario} | {r.seeds} | {r.point or '–'} | {_fmt(r.qlm)} | {base} "
+            f"| {r.scenario} | {r.inputs} | {r.seeds} | {r.point or '–'} | {_fmt(r.qlm)} | {base} "
             f"| {_fmt(r.bound)} | {r.target} | {'met' if r.met else '**missed**'} | {r.why} |"
         )
     return head + "\n".join(lines) + "\n"
