@@ -119,12 +119,26 @@ class InstanceState:
     running: dict[str, str] = field(default_factory=dict)  # request_id -> dispatch_id
     last_status: InstanceStatus | None = None
     model_states_sent: dict[str, str] = field(default_factory=dict)  # the last ModelPlan
+    # the last view and what it was built from: every arrival is placed over every instance's
+    # view, so it is rebuilt only when one of these changed (a million-request simulation
+    # spends most of its coordinator time here otherwise)
+    _view: tuple[tuple[Any, ...], PlanInstance] | None = field(default=None, repr=False)
 
     @property
     def instance_id(self) -> str:
         return self.info.instance_id
 
     def plan_view(self) -> PlanInstance:
+        # the objects themselves (not their ids, which a later object may reuse)
+        key = (len(self.running), self.status, self.last_status, self.info)
+        cached = self._view
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        view = self._build_view()
+        self._view = (key, view)
+        return view
+
+    def _build_view(self) -> PlanInstance:
         st = self.last_status
         return PlanInstance(
             instance_id=self.info.instance_id,
@@ -799,6 +813,11 @@ class CoordinatorCore:
         return tracked, first_token_at, outcome
 
     def _forget_running(self, tracked: TrackedRequest) -> None:
+        # where it runs, as this coordinator knows it; every instance when that is unknown or
+        # stale (a result from an instance it was moved away from)
+        inst = self.instances.get(tracked.instance_id or "")
+        if inst is not None and inst.running.pop(tracked.request_id, None) is not None:
+            return
         for inst in self.instances.values():
             inst.running.pop(tracked.request_id, None)
 
@@ -973,11 +992,16 @@ class CoordinatorCore:
         """Whether an automatic replan is worth running now: the policy asks for one and the
         virtual queues hold work (:data:`MIN_QUEUED_PER_INSTANCE` per live instance). How
         often replans may run is the caller's (wall-clock or simulated) budget."""
-        live = sum(1 for i in self.instances.values() if i.status == "alive")
-        queued = sum(len(i.queue) for i in self.instances.values()) + len(self.unassigned)
-        if queued < MIN_QUEUED_PER_INSTANCE * max(live, 1):
+        if not self.policy.wants_replan(now):
             return False
-        return self.policy.wants_replan(now)
+        live = sum(1 for i in self.instances.values() if i.status == "alive")
+        need = MIN_QUEUED_PER_INSTANCE * max(live, 1)
+        queued = len(self.unassigned)
+        for inst in self.instances.values():  # stops as soon as there is enough
+            if queued >= need:
+                return True
+            queued += len(inst.queue)
+        return queued >= need
 
     def replan(self, now: float) -> Plan:
         """Full replan of every queued request with the policy; virtual queues adopt it."""

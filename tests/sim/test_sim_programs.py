@@ -288,7 +288,9 @@ def test_the_agentic_scenario_reports_task_attainment_per_policy(tmp_path):
     assert result.exit_code == 0, result.output
     summary = json.loads(out.read_text())
     columns = summary["policies"]
-    assert set(columns) == {"qlm", "qlm-no-gate", "edf", "edf-demote", "gain_density", "fcfs"}
+    assert set(columns) == {
+        *("qlm", "qlm-gate", "edf", "edf-demote", "gain_density", "fcfs", "edf-shed", "vllm")
+    }
     for entry in columns.values():
         assert len(entry["task_attainment"]) == 2
         assert all(0.0 <= v <= 1.0 for v in entry["task_attainment"])

@@ -396,6 +396,7 @@ class ClusterSimulator:
         self.agents: dict[str, PullAdmission[SimJob]] = {}
         self._all_agents: list[PullAdmission[SimJob]] = []  # retired ones too (their counts)
         self._sent_view: dict[str, tuple[str | None, tuple[str, ...]]] = {}
+        self._infos: dict[str, InstanceInfo] = {}
         self._rng = random.Random(self.config.seed)
         self._saber = lso.slo_pull and self.config.pull_gate == "saber"
         if self._saber and controller is not None:
@@ -527,20 +528,22 @@ class ClusterSimulator:
         simulator's own values, at a million requests' pace)."""
         iid = inst.instance_id
         agent = self.agents[iid]
-        info = InstanceInfo.model_construct(
-            instance_id=iid,
-            agent_id=_agent_id(iid),
-            engine="sim",
-            gpu_type=inst.gpu_type,
-            gpu_memory_gb=0.0,
-            models=list(inst.models),
-            kv_capacity_tokens=inst.kv_capacity,
-            max_batch_size=inst.static_batch or inst.max_batch,
-            capabilities={"kv_offload": self.config.lso.swap},
-            capability_notes=[],
-            # exact: a power-of-two scale, the core multiplies it back
-            cpu_memory_gb=inst.cpu_memory_bytes / 2**30,
-        )
+        info = self._infos.get(iid)
+        if info is None:  # what an instance is never changes: built once, as an agent does
+            info = self._infos[iid] = InstanceInfo.model_construct(
+                instance_id=iid,
+                agent_id=_agent_id(iid),
+                engine="sim",
+                gpu_type=inst.gpu_type,
+                gpu_memory_gb=0.0,
+                models=list(inst.models),
+                kv_capacity_tokens=inst.kv_capacity,
+                max_batch_size=inst.static_batch or inst.max_batch,
+                capabilities={"kv_offload": self.config.lso.swap},
+                capability_notes=[],
+                # exact: a power-of-two scale, the core multiplies it back
+                cpu_memory_gb=inst.cpu_memory_bytes / 2**30,
+            )
         return InstanceStatus.model_construct(
             info=info,
             active_model=inst.active_model,
