@@ -293,6 +293,12 @@ class CoordinatorCore:
         self.cancelled_early: OrderedDict[str, str] = OrderedDict()
         self._seq = 0
         self.last_plan: Plan | None = None
+        # A plan being computed off the event loop (begin_plan ... adopt_plan): meanwhile the
+        # policy is left alone - arrivals and requeues wait unassigned and completions' length
+        # observations are kept - so that the planner thread and the loop never share its
+        # state. adopt_plan places the waiting ones and hands the observations over.
+        self.planning = False
+        self._deferred_observations: list[CompletionObservation] = []
 
     # ---------------------------------------------------------------- arrivals
     def admit(
@@ -494,6 +500,8 @@ class CoordinatorCore:
         status = inst.last_status
         if status is None or not self.held_count or inst.info.kv_capacity_tokens <= 0:
             return 0
+        if self.planning:  # the policy's order is being recomputed: release on a later beat
+            return 0
         emu = status.kv_used_tokens / inst.info.kv_capacity_tokens
         if emu >= self.batch.release_below:
             return 0
@@ -553,6 +561,12 @@ class CoordinatorCore:
         return [i for i in self.instances.values() if i.status == "alive"]
 
     def _place(self, tracked: TrackedRequest, now: float) -> None:
+        if self.planning:  # placed by adopt_plan, once the plan is in
+            tracked.state = TrackState.QUEUED
+            tracked.dispatch_id = None
+            tracked.instance_id = None
+            self.unassigned.append(tracked.request_id)
+            return
         live = self._live()
         load = {i.instance_id: i.queued_tokens for i in live}
         target = self.policy.place(tracked.plan_view, [i.plan_view() for i in live], load, now)
@@ -800,16 +814,18 @@ class CoordinatorCore:
             return None
         first_token_at, outcome = self.judge_completion(tracked, c)
         request = tracked.request
-        self.policy.observe_completion(
-            CompletionObservation(
-                model=request.model,
-                slo_class=request.slo.slo_class,
-                output_tokens=len(c.output_token_ids),
-                prompt_tokens=tracked.plan_view.prompt_tokens,
-                max_tokens=request.max_tokens,
-                tenant=request.tenant,
-            )
+        obs = CompletionObservation(
+            model=request.model,
+            slo_class=request.slo.slo_class,
+            output_tokens=len(c.output_token_ids),
+            prompt_tokens=tracked.plan_view.prompt_tokens,
+            max_tokens=request.max_tokens,
+            tenant=request.tenant,
         )
+        if self.planning:
+            self._deferred_observations.append(obs)
+        else:
+            self.policy.observe_completion(obs)
         return tracked, first_token_at, outcome
 
     def _forget_running(self, tracked: TrackedRequest) -> None:
@@ -1012,14 +1028,40 @@ class CoordinatorCore:
     def make_plan(self, now: float) -> Plan:
         """The policy's plan for every queued request, not yet adopted (a caller that charges
         the planner's time adopts it later with :meth:`adopt_plan`)."""
+        return self.policy.plan(*self.plan_inputs(), now)
+
+    def plan_inputs(self) -> tuple[list[PlanRequest], list[PlanInstance]]:
+        """What a plan is computed from: the queued requests' and live instances' views."""
         queued = [t for t in self.requests.values() if t.state == TrackState.QUEUED]
-        live = self._live()
-        return self.policy.plan([t.plan_view for t in queued], [i.plan_view() for i in live], now)
+        return [t.plan_view for t in queued], [i.plan_view() for i in self._live()]
+
+    def begin_plan(self) -> tuple[list[PlanRequest], list[PlanInstance]]:
+        """Start a plan computed elsewhere (another thread): the inputs, and the policy is left
+        to it until :meth:`adopt_plan` (or :meth:`abort_plan`)."""
+        if self.planning:
+            raise RuntimeError("a plan is already being computed")
+        inputs = self.plan_inputs()
+        self.planning = True
+        return inputs
+
+    def abort_plan(self, now: float) -> None:
+        """The plan computed elsewhere failed: the policy is the loop's again."""
+        self._end_planning(now)
+
+    def _end_planning(self, now: float) -> None:
+        if not self.planning:
+            return
+        self.planning = False
+        observed, self._deferred_observations = self._deferred_observations, []
+        for obs in observed:
+            self.policy.observe_completion(obs)
+        self._place_unassigned(now)
 
     def adopt_plan(self, plan: Plan, now: float) -> None:
         """The virtual queues take the plan's order. Requests that left the queues while it
         was computed (dispatched, answered) are skipped; those that arrived meanwhile, and
         those on an instance that is no longer live, are placed again."""
+        self.planning = False  # observations are handed over below, once the plan is in
         waiting: dict[str, TrackedRequest] = {}
         for inst in self.instances.values():
             for rid in inst.queue.clear():
@@ -1051,6 +1093,9 @@ class CoordinatorCore:
         for tracked in sorted(waiting.values(), key=lambda t: t.seq):
             self._place(tracked, now)
         self.last_plan = plan
+        observed, self._deferred_observations = self._deferred_observations, []
+        for obs in observed:
+            self.policy.observe_completion(obs)
 
     # ---------------------------------------------------------------- views
     def state_counts(self) -> dict[str, int]:

@@ -170,6 +170,7 @@ class Coordinator:
         self._liveness: asyncio.Task[None] | None = None
         self._stopping = False
         self._replan_pending = False
+        self._replan_lock = asyncio.Lock()
         self._last_plan_at = 0.0
         self._store_seen = (0, 0)  # (failures, committed) at the last health check
         self._last_auto_replan = float("-inf")
@@ -1161,9 +1162,19 @@ class Coordinator:
         return {**(record or {}), "live": live}
 
     async def replan(self) -> dict[str, Any]:
-        start = time.perf_counter()
-        now = time.time()
-        plan = self.core.replan(now)
+        """A full replan. The policy computes it in a worker thread, so the event loop keeps
+        taking deliveries, heartbeats and results meanwhile (the core holds arrivals back from
+        the policy until the plan is adopted: ``begin_plan``); one replan at a time."""
+        async with self._replan_lock:
+            start = time.perf_counter()
+            now = time.time()
+            requests, instances = self.core.begin_plan()
+            try:
+                plan = await asyncio.to_thread(self.core.policy.plan, requests, instances, now)
+            except BaseException:
+                self.core.abort_plan(time.time())
+                raise
+            self.core.adopt_plan(plan, time.time())
         duration = time.perf_counter() - start
         n = len(plan.assigned_ids()) + len(plan.unassigned)
         self.store.record_plan(

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from qlm.control import Evicted, Heartbeat
+from qlm.control import Completion, Evicted, Heartbeat
 from qlm.coordinator.core import MAX_EXTRA_REPLY_TARGETS, BatchTier, CoordinatorCore, TrackState
-from qlm.planner import create_policy
-from qlm.policy import InstanceLSO, Plan
+from qlm.planner import EDFPolicy, create_policy
+from qlm.policy import CompletionObservation, InstanceLSO, Plan
 from tests.builders import heartbeat, make_request
 
 
@@ -541,3 +541,70 @@ def test_a_dispatch_this_side_failed_to_publish_goes_back_and_keeps_the_instance
     # a stale undo (the request moved on) changes nothing
     assert not core.undo_dispatch(t.request_id, order.dispatch_id, 2.0)
     assert t.state == TrackState.DISPATCHED
+
+
+class _CountingEDF(EDFPolicy):
+    """EDF that records which of its methods the core calls (the test is about when)."""
+
+    def __init__(self) -> None:
+        self.places = 0
+        self.observed: list[int] = []
+
+    def place(self, request, instances, load, now):  # type: ignore[no-untyped-def]
+        self.places += 1
+        return super().place(request, instances, load, now)
+
+    def observe_completion(self, obs: CompletionObservation) -> None:
+        self.observed.append(obs.output_tokens)
+
+
+def test_a_plan_computed_elsewhere_leaves_the_policy_alone_until_adopted() -> None:
+    policy = _CountingEDF()
+    core = CoordinatorCore(policy, heartbeat_timeout_s=3.0)
+    core.on_heartbeat(heartbeat("a", 1), now=0.0)
+    running = admit(core, e2e_ms=60_000)
+    queued = admit(core, e2e_ms=60_000)
+    core.on_pull("a-gpu0", 1)
+    [order] = core.next_dispatches(0.0)  # the first in EDF order (same deadline: seq)
+    requests, instances = core.begin_plan()
+    assert {r.request_id for r in requests} == {queued.request_id}
+    with pytest.raises(RuntimeError):
+        core.begin_plan()  # one at a time
+    places = policy.places
+    # meanwhile: an arrival waits unassigned, a result is judged but not yet learned from
+    late = admit(core, e2e_ms=1_000)
+    assert late.instance_id is None and core.unassigned == [late.request_id]
+    done = core.complete(
+        Completion(
+            agent_id="a",
+            instance_id="a-gpu0",
+            dispatch_id=order.dispatch_id,
+            request_id=order.tracked.request_id,
+            output_token_ids=[1, 2, 3],
+            output_text="",
+            finish_reason="length",
+            prompt_tokens=8,
+            started_at=0.0,
+            first_token_at=0.1,
+            finished_at=0.2,
+        )
+    )
+    assert done is not None and policy.observed == [] and policy.places == places
+    plan = policy.plan(requests, instances, 1.0)  # what the worker thread computes
+    core.adopt_plan(plan, now=1.0)
+    assert not core.planning and policy.observed == [3]
+    assert late.instance_id == "a-gpu0" and queued.instance_id == "a-gpu0"
+    # EDF: the urgent arrival goes ahead of the plan's request once placed
+    assert list(core.instances["a-gpu0"].queue) == [late.request_id, queued.request_id]
+    assert running.request_id == order.tracked.request_id
+
+
+def test_an_aborted_plan_hands_the_policy_back() -> None:
+    policy = _CountingEDF()
+    core = CoordinatorCore(policy, heartbeat_timeout_s=3.0)
+    core.on_heartbeat(heartbeat("a", 1), now=0.0)
+    core.begin_plan()
+    waiting = admit(core)
+    assert waiting.instance_id is None
+    core.abort_plan(now=1.0)
+    assert not core.planning and waiting.instance_id == "a-gpu0"
