@@ -560,8 +560,10 @@ class QLMPolicy(QueuePolicy):
         dt = max(now - self._load_at, 0.0)
         self._load_at = now
         self._sure_load *= math.exp(-dt / LOAD_WINDOW_S)
-        spare = max(n_inst - self._sure_load / LOAD_WINDOW_S, 0.0)
-        self._credit = min(self._credit + spare * dt, CREDIT_MAX_S * n_inst)
+        # demand above capacity drains the credit: what spare capacity was saved up is spent
+        # by the backlog of sure work, not left for long shots
+        spare = n_inst - self._sure_load / LOAD_WINDOW_S
+        self._credit = min(max(self._credit + spare * dt, 0.0), CREDIT_MAX_S * n_inst)
 
     def _remember(self, r: PlanRequest, iid: str, out: float, now: float) -> None:
         if len(self._seen) >= ARRIVAL_KEYS_MAX and r.request_id not in self._seen:
