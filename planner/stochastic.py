@@ -82,6 +82,8 @@ ARRIVAL_KEYS_MAX = 65_536  # arrival sort keys remembered (only needed right aft
 FLOW_WINDOW = 2048.0  # completions the served mix is averaged over (exponential decay)
 FLOW_MIN = 32.0  # completions of a model before its served mix replaces the queued one
 DISPATCH_MEMORY = 1024  # requests per instance remembered after they left its queue
+LOAD_WINDOW_S = 60.0  # the sure work's arrival rate is averaged over about this long
+CREDIT_MAX_S = 30.0  # long-shot credit is capped at this many seconds of each instance
 
 
 @dataclass(frozen=True)
@@ -135,12 +137,20 @@ class QLMConfig:
     # known only as a distribution: a Δ-quantile calls every interactive request of a typical
     # mix hopeless, although its short outputs would meet if served first.
     feasible_quantile: float | None = None
+    # Long shots (None: off): a request that misses at feasible_quantile even if started now,
+    # but not at this lower quantile, may still meet if its output is short. It is walked at
+    # this quantile's latest start and worth its chance P(output fits the time left), so it
+    # is kept where it only uses slack: work worth more per second of occupancy displaces it
+    # (the walk maximises expected attainment), and below this chance it is hopeless.
+    long_shot_quantile: float | None = 0.2
 
     def __post_init__(self) -> None:
         if not 0.5 <= self.slo_quantile < 1:
             raise ValueError("slo_quantile (Δ) must be in [0.5, 1)")
         if self.feasible_quantile is not None and not 0 < self.feasible_quantile < 1:
             raise ValueError("feasible_quantile must be in (0, 1)")
+        if self.long_shot_quantile is not None and not 0 < self.long_shot_quantile < 1:
+            raise ValueError("long_shot_quantile must be in (0, 1)")
         if self.budget_clock not in ("wall", "work"):
             raise ValueError("budget_clock must be 'wall' or 'work'")
         if self.time_budget_s < 0 or self.head_groups < 1:
@@ -161,12 +171,14 @@ class _Priced:
     out_mean: np.ndarray
     out_var: np.ndarray
     out_bound: np.ndarray  # the Δ-quantile of the output length (the feasibility bound)
+    out_shot: np.ndarray  # the long-shot quantile of it (out_bound where long shots are off)
     deadline: np.ndarray  # effective e2e deadline, s from now (inf: none)
     e2e: np.ndarray  # e2e deadline only, s from now
     ttft: np.ndarray  # ttft deadline, s from now
     seq: np.ndarray
     # what meeting each request's SLO is worth: 1 (attainment), or its expected service gain
-    # over the mean one (service-gain; normalised so the tie-break weights keep their scale)
+    # over the mean one (service-gain; normalised so the tie-break weights keep their scale);
+    # times its chance of meeting for a long shot (set by _tables)
     value: np.ndarray
 
 
@@ -374,6 +386,12 @@ class QLMPolicy(QueuePolicy):
         self._seen: dict[str, tuple[str, str, float, float, int]] = {}
         self._left: dict[str, deque[tuple[str, float, float, int]]] = {}
         self._tail_ranks: list[dict[str, int]] = []  # per instance: model -> its tail run
+        # long shots spend only the capacity sure work leaves: the occupancy of sure arrivals
+        # (decayed over LOAD_WINDOW_S) against the instances, and the credit the rest accrues
+        self._sure_load = 0.0  # decayed Σ occupancy (s) of arrivals that can meet at Δ
+        self._credit = 0.0  # instance-seconds long shots may still take
+        self._load_at: float | None = None
+        self._shots: set[str] = set()  # long shots admitted, still queued
 
     # ------------------------------------------------------------------ interface
     def sort_key(self, request: PlanRequest) -> tuple[Any, ...]:
@@ -460,19 +478,25 @@ class QLMPolicy(QueuePolicy):
         if not eligible:
             return None
         self._arrivals_since_plan += 1
-        out_mean, out_bound = self._lengths_of(request)
+        out_mean, out_bound, out_shot = self._lengths_of(request)
         tokens = float(self.work_tokens(request))
-        best: tuple[tuple[Any, ...], PlanInstance, float, float] | None = None
-        dues: dict[int, float] = {}  # identical instances share their rate: one due for all
+        best: tuple[tuple[Any, ...], PlanInstance, float, float, bool] | None = None
+        # identical instances share their rate: one (due, long shot) for all
+        dues: dict[int, tuple[float, bool]] = {}
         for inst in eligible:
             iid = inst.instance_id
             rate = self._rate(inst, request.model)
             queued = max(load.get(iid, 0.0), 0.0)
             lane = self._lane(iid, queued, rate)
-            due = dues.get(id(rate), math.nan)
-            if due != due:  # not priced yet (NaN)
+            priced_due = dues.get(id(rate))
+            if priced_due is None:
                 pre = rate.prefill_fixed_s + rate.prefill_s_per_token * request.prompt_tokens
-                due = dues[id(rate)] = _latest_start(request, pre, pre + out_bound * rate.token_s)
+                due = _latest_start(request, pre, pre + out_bound * rate.token_s)
+                shot = due < now  # a long shot where it can meet at the long-shot bound
+                if shot:
+                    due = _latest_start(request, pre, pre + out_shot * rate.token_s)
+                priced_due = dues[id(rate)] = (due, shot)
+            due, shot = priced_due
             # a model the instance holds no work of: a new run (drain, then load)
             held = request.model in lane.models or inst.active_model in (None, request.model)
             swap = 0.0 if held else rate.switch_s + lane.swap_s
@@ -486,10 +510,19 @@ class QLMPolicy(QueuePolicy):
             )
             if best is None or rank < best[0]:
                 occ = request.prompt_tokens * rate.inv_prefill_tps + out_mean * rate.inv_tps
-                best = (rank, inst, due, occ)
+                best = (rank, inst, due, occ, shot)
         assert best is not None
-        rank, inst, due, occ = best
+        rank, inst, due, occ, shot = best
         infeasible = rank[0]
+        if self.config.long_shot_quantile is not None:
+            self._accrue(now, len(eligible))
+            if not shot:
+                self._sure_load += occ
+            elif not infeasible and due >= now and self._credit >= occ:
+                self._credit -= occ
+                self._shots.add(request.request_id)
+            elif due >= now:
+                due, infeasible = now - 1.0, True  # no spare capacity: hopeless for now
         iid = inst.instance_id
         lane = self._lanes[iid]
         lane.placed += tokens
@@ -519,6 +552,19 @@ class QLMPolicy(QueuePolicy):
         self._arrival_keys[request.request_id] = key
         return iid
 
+    def _accrue(self, now: float, n_inst: int) -> None:
+        """Decay the sure load to ``now`` and credit long shots with the capacity it leaves
+        (its rate: the decayed occupancy over LOAD_WINDOW_S, per instance)."""
+        if self._load_at is None:
+            self._load_at = now
+        dt = max(now - self._load_at, 0.0)
+        self._load_at = now
+        self._sure_load *= math.exp(-dt / LOAD_WINDOW_S)
+        # demand above capacity drains the credit: what spare capacity was saved up is spent
+        # by the backlog of sure work, not left for long shots
+        spare = n_inst - self._sure_load / LOAD_WINDOW_S
+        self._credit = min(max(self._credit + spare * dt, 0.0), CREDIT_MAX_S * n_inst)
+
     def _remember(self, r: PlanRequest, iid: str, out: float, now: float) -> None:
         if len(self._seen) >= ARRIVAL_KEYS_MAX and r.request_id not in self._seen:
             # bounded without replans (short queues): the oldest entries are long dispatched
@@ -540,8 +586,8 @@ class QLMPolicy(QueuePolicy):
         return self.config.slo_quantile if q is None else q
 
     # ------------------------------------------------------------------ place() helpers
-    def _lengths_of(self, r: PlanRequest) -> tuple[float, float]:
-        """(mean, Δ-quantile bound) of one request's output tokens."""
+    def _lengths_of(self, r: PlanRequest) -> tuple[float, float, float]:
+        """(mean, Δ-quantile bound, long-shot bound) of one request's output tokens."""
         lengths = self.estimator.lengths
         cap = np.array([max(r.max_tokens, 1)], dtype=np.float64)
         prompt = np.array([r.prompt_tokens], dtype=np.float64)
@@ -549,7 +595,13 @@ class QLMPolicy(QueuePolicy):
         bound = lengths.upper_bound(
             r.model, r.slo_class, cap, self._feasible_q, prompt_tokens=prompt
         )
-        return float(mean[0]), float(bound[0])
+        shot_q = self.config.long_shot_quantile
+        shot = (
+            bound
+            if shot_q is None
+            else lengths.upper_bound(r.model, r.slo_class, cap, shot_q, prompt_tokens=prompt)
+        )
+        return float(mean[0]), float(bound[0]), float(min(shot[0], bound[0]))
 
     def _rate(self, inst: PlanInstance, model: str) -> _Rate:
         """The (instance, model) timing of the last plan, else priced now at the context last
@@ -591,6 +643,7 @@ class QLMPolicy(QueuePolicy):
         budget_end = self._clock() + self.config.time_budget_s
         reqs = sorted(requests, key=lambda r: (r.seq, r.request_id))
         queued = {r.request_id for r in reqs}
+        self._shots &= queued
         for rid in [rid for rid in self._seen if rid not in queued]:
             self._note_left(rid, now)
         insts = sorted(instances, key=lambda i: i.instance_id)
@@ -666,11 +719,11 @@ class QLMPolicy(QueuePolicy):
         # most requests (or value) predicted to meet; then fewer model switches (each costs a
         # load and a drain), then the shorter makespan; then the order below
         order = {"improved": 0, "greedy": 1, "edf": 2}
-        by_gain = self.config.objective == "service-gain"
         name, chosen = max(
             candidates.items(),
             key=lambda kv: (
-                round(kv[1].worth, 9) if by_gain else kv[1].met,
+                # expected attainment: long shots count by their chance of meeting
+                round(kv[1].worth, 9),
                 -kv[1].switches,
                 -round(kv[1].makespan, 6),
                 -order[kv[0]],
@@ -717,6 +770,8 @@ class QLMPolicy(QueuePolicy):
         prompt = np.fromiter((r.prompt_tokens for r in reqs), np.float64, n)
         max_tok = np.fromiter((max(r.max_tokens, 1) for r in reqs), np.float64, n)
         out_mean, out_var, out_bound = np.zeros(n), np.zeros(n), np.zeros(n)
+        out_shot = np.zeros(n)
+        shot_q = self.config.long_shot_quantile
         keys: dict[tuple[str, str | None], list[int]] = {}
         for k, r in enumerate(reqs):
             keys.setdefault((r.model, r.slo_class), []).append(k)
@@ -729,6 +784,11 @@ class QLMPolicy(QueuePolicy):
             )
             out_bound[ix] = lengths.upper_bound(
                 model, cls, max_tok[ix], self._feasible_q, prompt_tokens=prompt[ix]
+            )
+            out_shot[ix] = (
+                out_bound[ix]
+                if shot_q is None
+                else lengths.upper_bound(model, cls, max_tok[ix], shot_q, prompt_tokens=prompt[ix])
             )
         inf = math.inf
         e2e = np.fromiter((r.deadline if r.deadline is not None else inf for r in reqs), float, n)
@@ -747,6 +807,7 @@ class QLMPolicy(QueuePolicy):
             out_mean,
             out_var,
             out_bound,
+            np.minimum(out_shot, out_bound),
             np.minimum(e2e, ttft) - now,
             e2e - now,
             ttft - now,
@@ -867,6 +928,9 @@ class QLMPolicy(QueuePolicy):
         occ_var = np.zeros((n, n_inst))
         own = np.full((n, n_inst), np.inf)
         lst = np.full((n, n_inst), -np.inf)
+        shot_lst = np.full((n, n_inst), -np.inf)  # at the long-shot bound
+        chance = np.zeros((n, n_inst))  # P(output fits the time left if started now)
+        sd = np.sqrt(priced.out_var)
         switch = np.zeros((n_inst, M))
         for (g, m), p in hw.items():
             switch[g, m] = self._switch(live[g], p, models[m])
@@ -878,6 +942,14 @@ class QLMPolicy(QueuePolicy):
             pre = q.prefill_fixed_s + q.prefill_s_per_token * prompt
             own[sel, g] = pre + priced.out_bound[sel] * q.token_time_s
             lst[sel, g] = np.minimum(priced.e2e[sel] - own[sel, g], priced.ttft[sel] - pre)
+            shot = pre + priced.out_shot[sel] * q.token_time_s
+            shot_lst[sel, g] = np.minimum(priced.e2e[sel] - shot, priced.ttft[sel] - pre)
+            fits = (priced.e2e[sel] - pre) / max(q.token_time_s, 1e-12)  # tokens, from now
+            with np.errstate(divide="ignore", invalid="ignore"):
+                zs = np.where(sd[sel] > 0, (fits - priced.out_mean[sel]) / sd[sel], np.inf)
+            p_fit = np.where(fits >= priced.out_mean[sel], 1.0, 0.0)
+            p_fit = np.where(np.isfinite(zs), norm.cdf(zs), p_fit)
+            chance[sel, g] = np.where(priced.ttft[sel] >= pre, p_fit, 0.0)
         running = [self._running(inst, g, hw, lat, models, now) for g, inst in enumerate(live)]
         first_slot = np.array([r[0] for r in running])
         drain = np.array([r[1] for r in running])
@@ -895,6 +967,16 @@ class QLMPolicy(QueuePolicy):
         )
         arrival = np.fromiter((r.arrival_time for r in priced.reqs), np.float64, n)
         has_deadline = np.isfinite(priced.deadline)
+        # long shots: miss at the feasibility bound even if started now, not at the long-shot
+        # one. Walked at the long-shot latest start and worth their chance of meeting, so the
+        # walk's objective is expected attainment and work of higher value density (value per
+        # second of occupancy) displaces them
+        best_strict = lst.max(axis=1) if n_inst else np.full(n, -np.inf)
+        shots = has_deadline & (best_strict < 0) & (shot_lst.max(axis=1) >= 0)
+        shots &= np.fromiter((r.request_id in self._shots for r in priced.reqs), bool, n)
+        if shots.any():
+            lst[shots] = shot_lst[shots]
+            priced.value = priced.value * np.where(shots, chance.max(axis=1), 1.0)
         # starvation guard: overdue by more than starvation_factor × its own SLO
         slo_len = np.maximum(priced.deadline + now - arrival, 1e-3)
         prio = has_deadline & (-priced.deadline > self.config.starvation_factor * slo_len)
@@ -1480,24 +1562,43 @@ class _Walker:
         return True
 
     def _displace(self, lane: _Lane, g: int, k: int, start: float, var: float) -> bool:
+        """Remove the costliest requests of this run ahead of k (largest occupancy per unit
+        of value first, each costlier than k and worth no more) until k meets, if together
+        they are worth less than k (one for one when values are equal: Moore-Hodgson; several
+        long shots for one sure request, which their summed chance does not outweigh)."""
         heap = lane.heap
-        while heap and self.gone[heap[0][1]]:
+        taken: list[tuple[float, int]] = []
+        worth, freed, freed_var = 0.0, 0.0, 0.0
+        fits = False
+        while heap:
+            neg_cost, j = heap[0]
+            if self.gone[j]:
+                heapq.heappop(heap)
+                continue
+            no_deadline = not self.has_deadline[j]
+            if -neg_cost <= self.cost[k] or (self.value[j] > self.value[k] and not no_deadline):
+                break
+            if not no_deadline:
+                worth += self.value[j]
+            if taken and worth >= self.value[k]:
+                break  # taken alone is worth as much as k: keep them
             heapq.heappop(heap)
-        if not heap:
+            taken.append((neg_cost, j))
+            freed += self.occ[g][j]
+            freed_var += self.var[g][j]
+            if start - freed + self.z * math.sqrt(max(var - freed_var, 0.0)) <= self.lst[g][k]:
+                fits = True
+                break
+        if not fits:
+            for item in taken:
+                heapq.heappush(heap, item)
             return False
-        neg_cost, j = heap[0]
-        no_deadline = not self.has_deadline[j]
-        if -neg_cost <= self.cost[k] or (self.value[j] > self.value[k] and not no_deadline):
-            return False
-        occ_j, var_j = self.occ[g][j], self.var[g][j]
-        if start - occ_j + self.z * math.sqrt(max(var - var_j, 0.0)) > self.lst[g][k]:
-            return False
-        heapq.heappop(heap)
-        self.gone[j] = True  # out of lane.kept when the walk ends (a list removal is O(n))
-        # without a deadline it is met wherever it waits: behind the kept work, not the tail
-        (lane.later if no_deadline else self.tail).append(j)
-        lane.t -= occ_j
-        lane.var = max(lane.var - var_j, 0.0)
+        for _, j in taken:
+            self.gone[j] = True  # out of lane.kept when the walk ends (a list removal is O(n))
+            # without a deadline it is met wherever it waits: behind the kept work, not the tail
+            (lane.later if not self.has_deadline[j] else self.tail).append(j)
+        lane.t -= freed
+        lane.var = max(lane.var - freed_var, 0.0)
         lane.sd = math.sqrt(lane.var)
         return True
 

@@ -3,6 +3,7 @@ displacement, the length bound, ties on model switches, LSO preemption, place()'
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import numpy as np
@@ -195,3 +196,60 @@ def test_arrival_keys_are_bounded_and_fresh() -> None:
     assert pol.sort_key(req("unseen", 50.0, 20, seq=9))[0] == TAIL  # never placed nor planned
     keys = {ALIVE, HOPELESS}
     assert keys == {0, 1}
+
+
+def long_shot_case(overload: bool) -> tuple[QLMPolicy, PlanRequest, PlanRequest]:
+    """Interactive outputs fit N(400, ~290²): a deadline between its 0.2- and 0.9-quantile
+    decode times misses at Δ even if started now, but a short output (P ≈ 0.5 here) meets."""
+    pol = QLMPolicy()
+    rng = np.random.default_rng(0)
+    for cls in ("interactive", "batch"):
+        for out in np.clip(rng.normal(400, 290, 512), 1, 1024):
+            pol.estimator.lengths.observe("mistral-7b", cls, int(out))
+    i0 = [inst()]
+    pol.plan([req("warm", 100.0, 1024, seq=0)], i0, NOW)  # prices the instance
+    token_s = pol._rates[("i0", "mistral-7b")].token_s
+    probe = PlanRequest("x", "mistral-7b", 200, 1024, NOW, None, None, slo_class="interactive")
+    _, bound, shot = pol._lengths_of(probe)
+    assert shot < 420 < bound
+    t = NOW + 240.0
+    load, seq = 0.0, 1
+    # overload: sure (batch) arrivals worth more instance-seconds than the instance has
+    for k in range(9600 if overload else 1):  # 40/s, ~1.4 × what the instance serves
+        b = PlanRequest(f"b{k}", "mistral-7b", 200, 1024, t - 240 + k * 0.025, t + 300, None, seq)
+        b = dataclasses.replace(b, slo_class="batch")
+        pol.place(b, i0, {"i0": load}, b.arrival_time)
+        load += pol.work_tokens(b)
+        seq += 1
+    # deadline: own prefill plus ~420 tokens' decode, the median output
+    shot_req = PlanRequest("shot", "mistral-7b", 200, 1024, t, t + 420 * token_s, None, seq)
+    shot_req = dataclasses.replace(shot_req, slo_class="interactive")
+    pol.place(shot_req, i0, {"i0": load}, t)
+    batch = dataclasses.replace(
+        PlanRequest("b0", "mistral-7b", 200, 1024, t - 240, t + 300, None, 1), slo_class="batch"
+    )
+    return pol, shot_req, batch
+
+
+def test_a_long_shot_uses_spare_capacity_ahead_of_slack_rich_work() -> None:
+    """In spare capacity an interactive request that meets only if its output is short is
+    kept ahead of batch work with slack to spare, worth its chance; without long shots it is
+    hopeless and goes behind the batch work."""
+    pol, shot, batch = long_shot_case(overload=False)
+    assert pol.sort_key(shot)[0] == FEASIBLE
+    plan = pol.plan([batch, shot], [inst()], shot.arrival_time)
+    assert plan.queues["i0"] == ["shot", "b0"]
+    assert 0.2 < plan.meta["predicted_value"] - 1 < 0.9  # b0, plus the long shot's chance
+    off = QLMPolicy(long_shot_quantile=None)
+    off.estimator = pol.estimator
+    plan = off.plan([batch, shot], [inst()], shot.arrival_time)
+    assert plan.queues["i0"] == ["b0", "shot"]
+
+
+def test_in_overload_a_long_shot_is_demoted() -> None:
+    """Sure arrivals take all the capacity: the long shot is not admitted (it would take
+    capacity the sure work needs), so it waits in the best-effort tail."""
+    pol, shot, batch = long_shot_case(overload=True)
+    assert pol.sort_key(shot)[:2] == (TAIL, HOPELESS)
+    plan = pol.plan([batch, shot], [inst()], shot.arrival_time)
+    assert plan.queues["i0"] == ["b0", "shot"]
