@@ -143,6 +143,11 @@ class QLMConfig:
     # is kept where it only uses slack: work worth more per second of occupancy displaces it
     # (the walk maximises expected attainment), and below this chance it is hopeless.
     long_shot_quantile: float | None = 0.2
+    # Long shots may borrow capacity beyond the spare capacity saved up: the sure work queued
+    # behind them then waits longer. They may owe at most this fraction of the shortest SLO
+    # among the sure arrivals of the last LOAD_WINDOW_S, per instance: work with minutes of
+    # slack (a batch class) lends minutes, work with seconds lends seconds. 0: spare only
+    long_shot_borrow: float = 0.5
 
     def __post_init__(self) -> None:
         if not 0.5 <= self.slo_quantile < 1:
@@ -151,6 +156,8 @@ class QLMConfig:
             raise ValueError("feasible_quantile must be in (0, 1)")
         if self.long_shot_quantile is not None and not 0 < self.long_shot_quantile < 1:
             raise ValueError("long_shot_quantile must be in (0, 1)")
+        if not 0 <= self.long_shot_borrow <= 1:
+            raise ValueError("long_shot_borrow must be in [0, 1]")
         if self.budget_clock not in ("wall", "work"):
             raise ValueError("budget_clock must be 'wall' or 'work'")
         if self.time_budget_s < 0 or self.head_groups < 1:
@@ -391,6 +398,8 @@ class QLMPolicy(QueuePolicy):
         self._sure_load = 0.0  # decayed Σ occupancy (s) of arrivals that can meet at Δ
         self._credit = 0.0  # instance-seconds long shots may still take
         self._load_at: float | None = None
+        # (arrival time, SLO s) of sure arrivals, SLOs increasing: the window's minimum first
+        self._sure_slos: deque[tuple[float, float]] = deque()
         self._shots: set[str] = set()  # long shots admitted, still queued
 
     # ------------------------------------------------------------------ interface
@@ -518,7 +527,13 @@ class QLMPolicy(QueuePolicy):
             self._accrue(now, len(eligible))
             if not shot:
                 self._sure_load += occ
-            elif not infeasible and due >= now and self._credit >= occ:
+                if request.deadline is not None:
+                    self._note_sure_slo(now, request.deadline - request.arrival_time)
+            elif (
+                not infeasible
+                and due >= now
+                and self._credit - occ >= -self._borrow_s() * len(eligible)
+            ):
                 self._credit -= occ
                 self._shots.add(request.request_id)
             elif due >= now:
@@ -563,7 +578,23 @@ class QLMPolicy(QueuePolicy):
         # demand above capacity drains the credit: what spare capacity was saved up is spent
         # by the backlog of sure work, not left for long shots
         spare = n_inst - self._sure_load / LOAD_WINDOW_S
-        self._credit = min(max(self._credit + spare * dt, 0.0), CREDIT_MAX_S * n_inst)
+        floor = -self._borrow_s() * n_inst  # what long shots may owe
+        self._credit = min(max(self._credit + spare * dt, floor), CREDIT_MAX_S * n_inst)
+
+    def _note_sure_slo(self, now: float, slo_s: float) -> None:
+        """A sliding-window minimum of the sure arrivals' SLOs (monotonic deque)."""
+        window = self._sure_slos
+        while window and window[-1][1] >= slo_s:
+            window.pop()
+        window.append((now, slo_s))
+        while window and window[0][0] < now - LOAD_WINDOW_S:
+            window.popleft()
+
+    def _borrow_s(self) -> float:
+        """Seconds of each instance long shots may owe (``long_shot_borrow``)."""
+        if not self._sure_slos:
+            return 0.0
+        return self.config.long_shot_borrow * self._sure_slos[0][1]
 
     def _remember(self, r: PlanRequest, iid: str, out: float, now: float) -> None:
         if len(self._seen) >= ARRIVAL_KEYS_MAX and r.request_id not in self._seen:

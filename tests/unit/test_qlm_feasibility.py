@@ -198,10 +198,12 @@ def test_arrival_keys_are_bounded_and_fresh() -> None:
     assert keys == {0, 1}
 
 
-def long_shot_case(overload: bool) -> tuple[QLMPolicy, PlanRequest, PlanRequest]:
+def long_shot_case(
+    overload: bool, borrow: float = 0.5
+) -> tuple[QLMPolicy, PlanRequest, PlanRequest]:
     """Interactive outputs fit N(400, ~290²): a deadline between its 0.2- and 0.9-quantile
     decode times misses at Δ even if started now, but a short output (P ≈ 0.5 here) meets."""
-    pol = QLMPolicy()
+    pol = QLMPolicy(long_shot_borrow=borrow)
     rng = np.random.default_rng(0)
     for cls in ("interactive", "batch"):
         for out in np.clip(rng.normal(400, 290, 512), 1, 1024):
@@ -248,8 +250,12 @@ def test_a_long_shot_uses_spare_capacity_ahead_of_slack_rich_work() -> None:
 
 def test_in_overload_a_long_shot_is_demoted() -> None:
     """Sure arrivals take all the capacity: the long shot is not admitted (it would take
-    capacity the sure work needs), so it waits in the best-effort tail."""
-    pol, shot, batch = long_shot_case(overload=True)
+    capacity the sure work needs), so it waits in the best-effort tail - unless the sure
+    work's slack may be borrowed: 240 s at 1.4x leave a debt of ~96 s, which half of the
+    batch work's 300 s SLO covers."""
+    borrowing, shot, _ = long_shot_case(overload=True)
+    assert borrowing.sort_key(shot)[0] == FEASIBLE
+    pol, shot, batch = long_shot_case(overload=True, borrow=0.0)
     assert pol.sort_key(shot)[:2] == (TAIL, HOPELESS)
     plan = pol.plan([batch, shot], [inst()], shot.arrival_time)
     assert plan.queues["i0"] == ["b0", "shot"]
