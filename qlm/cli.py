@@ -733,7 +733,11 @@ def demo(
     json_out: Annotated[Path | None, typer.Option("--json", help="also write results here")] = None,
     duration: Annotated[float, typer.Option(help="seconds of trace to replay")] = 120.0,
     policy: Annotated[
-        str, typer.Option(help="ordering policy (qlm, edf, fcfs, shepherd, round_robin, random)")
+        str,
+        typer.Option(
+            help="ordering policy (qlm, edf, edf-shed, fcfs, shepherd, gain_density, "
+            "round_robin, random, power_of_two; docs/planner.md)"
+        ),
     ] = "qlm",
     trace_start: Annotated[float, typer.Option(help="offset into the trace (s)")] = 0.0,
     backend: Annotated[
