@@ -176,7 +176,8 @@ PRESETS: dict[str, Preset] = {
         Preset("trace", "Azure conv + code replay, two SLO classes"),
         Preset(
             "mixed",
-            "service gain >= 1.3x fcfs and SLO goodput >= 4x fcfs at the overload points",
+            "qlm (the default): service gain >= 1.3x fcfs and SLO goodput >= every baseline's "
+            "at the overload points",
         ),
         Preset("scale", "1 h of 100 GPUs (>= 1M requests) in <= 5 min, <= 4 GB"),
         Preset(
