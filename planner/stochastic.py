@@ -142,7 +142,7 @@ class QLMConfig:
     # this quantile's latest start and worth its chance P(output fits the time left), so it
     # is kept where it only uses slack: work worth more per second of occupancy displaces it
     # (the walk maximises expected attainment), and below this chance it is hopeless.
-    long_shot_quantile: float | None = 0.2
+    long_shot_quantile: float | None = 0.05
     # Long shots may borrow capacity beyond the spare capacity saved up: the sure work queued
     # behind them then waits longer. They may owe at most this fraction of the shortest SLO
     # among the sure arrivals of the last LOAD_WINDOW_S, per instance: work with minutes of
