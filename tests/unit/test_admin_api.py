@@ -294,6 +294,19 @@ async def test_allow_no_auth_opens_v1(backend: MemoryBackend, metrics: Coordinat
 async def test_tokens_are_never_logged(
     backend: MemoryBackend, metrics: CoordinatorMetrics, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # an earlier test in the session may have configured logging (a CLI run filters below
+    # warning): start from structlog's defaults, and give the configuration back afterwards
+    saved = structlog.get_config()
+    structlog.reset_defaults()
+    try:
+        await _log_admin_calls(backend, metrics, monkeypatch)
+    finally:
+        structlog.configure(**saved)
+
+
+async def _log_admin_calls(
+    backend: MemoryBackend, metrics: CoordinatorMetrics, monkeypatch: pytest.MonkeyPatch
+) -> None:
     with structlog.testing.capture_logs() as logs:
         # a fresh logger: the module's one may be cached from an earlier configure_logging()
         monkeypatch.setattr(qlm.admin, "log", structlog.get_logger("qlm.admin"))
