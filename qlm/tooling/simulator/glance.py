@@ -76,7 +76,8 @@ def glance_row(summary: Mapping[str, Any]) -> GlanceRow:
     seeds = len(summary.get("seeds") or [summary.get("seed", 0)])
     own_checks = list(summary.get("checks", []))
     own_ok = all(bool(c.get("met")) for c in own_checks)
-    others = [p for p in policies if p != QLM]
+    # baselines: every other column but qlm's own variants (qlm-gate: qlm with a setting)
+    others = [p for p in policies if p != QLM and not p.startswith(QLM + "-")]
     bound_series = (summary.get(HINDSIGHT) or {}).get("slo_attainment")
     if QLM not in policies or not others:
         met = own_ok
