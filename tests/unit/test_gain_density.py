@@ -88,7 +88,7 @@ def test_registered_and_validated() -> None:
         GainDensityPolicy(alpha=0)
 
 
-def test_the_mixed_scenario_checks_tempos_targets_against_fcfs() -> None:
+def test_the_mixed_scenario_checks_issue_17s_targets_for_the_default_policy() -> None:
     from qlm.tooling.simulator.presets import PRESETS
     from qlm.tooling.simulator.targets import check_mixed
 
@@ -97,21 +97,27 @@ def test_the_mixed_scenario_checks_tempos_targets_against_fcfs() -> None:
     summary = {
         "sweep": {"values": [1, 2], "variants": ["6", "18"]},
         "policies": {
-            "gain_density": {
+            "qlm": {
                 "service_gain": [10.0, 13.0],
                 "goodput_rps": [1.0, 4.0],
                 "throughput_rps": [5.0, 9.7],
+            },
+            "gain_density": {
+                "service_gain": [10.0, 12.0],
+                "goodput_rps": [1.0, 3.5],
+                "throughput_rps": [5.0, 9.8],
             },
             "fcfs": {
                 "service_gain": [10.0, 10.0],
                 "goodput_rps": [1.0, 1.0],
                 "throughput_rps": [5.0, 10.0],
             },
-            "edf": {"throughput_rps": [5.0, 9.0]},
         },
     }
     checks = check_mixed(summary)
     assert len(checks) == 3  # only the overload point (18 req/s)
     assert all(ok for _, _, ok in checks)
-    summary["policies"]["gain_density"]["goodput_rps"][1] = 3.9
+    summary["policies"]["gain_density"]["goodput_rps"][1] = 4.1  # a baseline's goodput wins
     assert [ok for _, _, ok in check_mixed(summary)] == [True, False, True]
+    summary["policies"]["qlm"]["service_gain"][1] = 12.9  # 1.29x fcfs
+    assert [ok for _, _, ok in check_mixed(summary)][0] is False
