@@ -62,6 +62,7 @@ class RoundRobinPolicy(_FCFSOrder):
     """
 
     name = "round_robin"
+    keeps_state = "one cursor per model (place advances it)"
 
     def __init__(self) -> None:
         self._cursor: dict[str, int] = {}

@@ -88,6 +88,10 @@ class _Rates:
 
 class EDFShedPolicy(QueuePolicy):
     name = "edf-shed"
+    keeps_state = (
+        "the last plan's deadline profile per instance (place reads it) and the output-length "
+        "model (observe_completion writes it)"
+    )
 
     def __init__(self, config: EDFShedConfig | None = None, **overrides: Any) -> None:
         cfg = config or EDFShedConfig()

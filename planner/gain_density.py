@@ -62,6 +62,7 @@ class GainDensityPolicy(QueuePolicy):
     """Largest service-gain density first, with a best-effort reserve (module docstring)."""
 
     name = "gain_density"
+    keeps_state = "the output-length model (observe_completion writes it; sort_key reads it)"
 
     def __init__(self, best_effort_share: float = 0.1, alpha: float = 1.0) -> None:
         if not 0.0 <= best_effort_share < 1.0:

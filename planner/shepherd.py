@@ -84,6 +84,7 @@ class SHEPHERDPolicy(QueuePolicy):
     """Fixed-size batches placed and ordered by a time-limited ILP (see the module docstring)."""
 
     name = "shepherd"
+    keeps_state = "when it last planned and the arrivals since (wants_replan reads them)"
 
     def __init__(
         self,

@@ -344,6 +344,10 @@ class _LaneState:
 
 class QLMPolicy(QueuePolicy):
     name = "qlm"
+    keeps_state = (
+        "the last plan's sort keys, lanes and timings (sort_key and place read them), the output-"
+        "length model and arrival statistics (observe_completion and place write them)"
+    )
 
     def __init__(self, config: QLMConfig | None = None, **overrides: Any) -> None:
         cfg = config or QLMConfig()

@@ -161,6 +161,11 @@ class QueuePolicy(ABC):
     # Set by policies whose executor runs fixed batches without continuous batching (the
     # SHEPHERD baseline): the cluster simulator then runs their instances that way.
     static_batch_size: int | None = None
+    # What the policy keeps between calls, in words; "" for a pure policy (its plan and keys
+    # depend on their arguments alone: the conformance suite checks it). The coordinator core
+    # never calls a policy while its plan runs in another thread (begin_plan / adopt_plan), so
+    # a stateful policy needs no locks.
+    keeps_state: str = ""
     # Set by the no-queue-manager baseline (``vllm``): its engines take every request the
     # moment it is placed (agents grant unbounded credit), so nothing waits in a virtual
     # queue and each engine's own FCFS waiting queue and preemption decide.

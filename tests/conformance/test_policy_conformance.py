@@ -376,3 +376,24 @@ def test_one_factory_live_and_simulated_differ_only_by_parameters() -> None:
 
 def test_the_paper_baselines_are_registered() -> None:
     assert {"fcfs", "edf", "shepherd", "round_robin", "random", "power_of_two"} <= set(POLICIES)
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_a_policy_is_pure_or_says_what_state_it_keeps(name: str) -> None:
+    """A policy with ``keeps_state == ""`` plans from its arguments alone: the same inputs give
+    the same plan twice, and placing and planning do not change its sort keys. Any other
+    policy must say in words what it keeps (QueuePolicy.keeps_state)."""
+    policy = create_policy(name)
+    if policy.keeps_state:
+        assert len(policy.keeps_state.split()) >= 4, policy.keeps_state
+        return
+    reqs = [
+        make_plan_request(f"r{i}", arrival=i, deadline=30 + 7 * (i % 5), seq=i) for i in range(40)
+    ]
+    insts = [make_instance("i0"), make_instance("i1")]
+    keys = [policy.sort_key(r) for r in reqs]
+    first = policy.plan(reqs, insts, 0.0)
+    place_all(policy, reqs, insts)
+    second = policy.plan(reqs, insts, 0.0)
+    assert first.queues == second.queues and first.unassigned == second.unassigned
+    assert [policy.sort_key(r) for r in reqs] == keys
