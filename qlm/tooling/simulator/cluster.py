@@ -634,7 +634,6 @@ class ClusterSimulator:
             job = self.jobs[order.tracked.request_id]
             job.view = order.tracked.plan_view  # an evicted request's: its resume
             job.dispatch_id = order.dispatch_id
-            inst = self.instances[order.instance_id]
             batch = delivered.setdefault(order.instance_id, [])
             self.agents[order.instance_id].on_dispatch(job, batch.append)
         for iid, batch in delivered.items():
