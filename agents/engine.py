@@ -74,10 +74,28 @@ class EngineCapabilities:
     prefix_caching: bool = False  # a resumed request's earlier KV blocks are reused
     kv_offload: bool = False  # evicted requests' KV is kept in host memory and reloaded
     sleep_mode: bool = False  # a model can sleep in host memory (level 1) and wake fast
+    token_streaming: bool = False  # TokenDelta reported as tokens are generated
     notes: tuple[str, ...] = ()
 
 
+@dataclass(frozen=True)
+class TokenDelta:
+    """Tokens a request generated since the backend last reported it (per-token streaming).
+
+    ``offset`` is the index in the request's ``output_token_ids`` (resume ids included) of the
+    first token here, so a consumer that saw tokens up to some offset can drop what it already
+    has after a failover or an exact resume."""
+
+    request_id: str
+    offset: int
+    token_ids: list[int]
+    text: str  # the detokenized text of these tokens ("" when the backend has no tokenizer)
+
+
 OutputCallback = Callable[[EngineOutput], Awaitable[None]]
+# Called from the engine's loop for every step that produced tokens; it must not block (the
+# agent buffers the deltas and publishes them every few milliseconds).
+TokenCallback = Callable[[TokenDelta], None]
 
 
 class EngineBackend(ABC):
@@ -128,6 +146,17 @@ class EngineBackend(ABC):
         waiting requests, or finished some): the agent then grants credit at once instead of
         at its next polling tick. Optional: without it the agent still polls."""
         self._capacity_listener = listener
+
+    def set_token_listener(self, listener: TokenCallback | None) -> None:
+        """Register a callback for tokens as they are generated (``TokenDelta``). Backends
+        that stream call ``_emit_tokens`` and say ``token_streaming`` in their capabilities;
+        others report tokens only in the final ``EngineOutput``."""
+        self._token_listener = listener
+
+    def _emit_tokens(self, delta: TokenDelta) -> None:
+        listener = getattr(self, "_token_listener", None)
+        if listener is not None and delta.token_ids:
+            listener(delta)
 
     def _capacity_changed(self) -> None:
         listener = getattr(self, "_capacity_listener", None)
