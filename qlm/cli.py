@@ -163,9 +163,9 @@ def _live_autoscaler(s: Settings, coord: Any) -> Any:
     command is a startup error, not a crash later."""
     if s.autoscale_policy is None:
         return None
-    from qlm.autoscale import create_driver
-    from qlm.planner.autoscale_loop import LiveCapacityLoop, load_capacity_spec
-    from qlm.planner.capacity import create_capacity_policy
+    from qlm.capacity.drivers import create_driver
+    from qlm.planner.capacity.live_loop import LiveCapacityLoop, load_capacity_spec
+    from qlm.planner.capacity.policies import create_capacity_policy
 
     if s.capacity_spec is None:
         raise typer.BadParameter(
@@ -916,7 +916,7 @@ def bench_capacity_ilp_cmd(
 ) -> None:
     """Solve time of the capacity ILP (SageServe; docs/capacity.md): target <= 2 s for 4
     models x 3 pools x 2 GPU types. Exit status 1 when the target is missed."""
-    from qlm.tooling.bench_capacity import bench_capacity_ilp
+    from qlm.tooling.capacity.bench import bench_capacity_ilp
 
     result = bench_capacity_ilp(
         models=models, pools=pools, gpu_types=gpu_types, solves=solves, epsilon=epsilon
@@ -1091,7 +1091,7 @@ def bench_sim(
     if list_:
         for name, named in PRESETS.items():
             typer.echo(f"{name:12} {named.spec().description}")
-        from qlm.tooling.simulator.capacity_sim import capacity_preset
+        from qlm.tooling.capacity.sim import capacity_preset
 
         typer.echo(f"{'capacity':12} {capacity_preset().description}")
         return
@@ -1155,8 +1155,8 @@ def _bench_capacity_sim(
 ) -> None:
     from qlm.logging import configure_logging
     from qlm.planner import create_policy
-    from qlm.tooling.simulator.capacity_report import capacity_table, write_capacity_outputs
-    from qlm.tooling.simulator.capacity_sim import (
+    from qlm.tooling.capacity.report import capacity_table, write_capacity_outputs
+    from qlm.tooling.capacity.sim import (
         CAPACITY_POLICY_NAMES,
         capacity_preset,
         run_capacity_scenario,

@@ -28,7 +28,7 @@ from pydantic import ValidationError
 
 from qlm import amqp as qlm_amqp
 from qlm.amqp import escape_raw
-from qlm.capacity_telemetry import AutoscalerView, CapacityTelemetry
+from qlm.capacity.telemetry import AutoscalerView, CapacityTelemetry
 from qlm.catalog import ModelCatalog
 from qlm.chains import LateTaskRule
 from qlm.collective import GraphError
@@ -181,7 +181,7 @@ class Coordinator:
         self._orphans: dict[str, tuple[Completion, AbstractIncomingMessage, float]] = {}
         self.ingested = 0
         self.received_at_first: float | None = None
-        # what an autoscaler measures (planner/autoscale_loop.py reads it; the CLI wires one)
+        # what an autoscaler measures (planner/capacity/live_loop.py reads it; the CLI wires one)
         self.capacity = CapacityTelemetry()
         self.autoscaler: AutoscalerView | None = None
 

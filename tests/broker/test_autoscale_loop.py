@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from qlm.client import QlmClient
-from qlm.planner.autoscale_loop import load_capacity_spec
-from qlm.planner.capacity import PoolKey
+from qlm.planner.capacity.live_loop import load_capacity_spec
+from qlm.planner.capacity.policies import PoolKey
 from qlm.types import SLO, RequestMessage
 from tests.e2e import running_cluster
 

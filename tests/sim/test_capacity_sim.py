@@ -11,19 +11,19 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
+from qlm.capacity.forecast import trailing_mean
 from qlm.cli import app
-from qlm.forecast import trailing_mean
 from qlm.planner import create_policy
-from qlm.planner.capacity import Cell, PoolKey
-from qlm.tooling.simulator.autoscaling import InstanceTemplate, SimulatorDriver, parse_cell
-from qlm.tooling.simulator.capacity_sim import (
+from qlm.planner.capacity.policies import Cell, PoolKey
+from qlm.tooling.capacity.autoscaling import InstanceTemplate, SimulatorDriver, parse_cell
+from qlm.tooling.capacity.diurnal import DiurnalLoad, diurnal_requests, history_tpm
+from qlm.tooling.capacity.sim import (
     CapacityLoop,
     capacity_preset,
     profile_instance_rps,
     run_capacity_scenario,
 )
 from qlm.tooling.simulator.cluster import ClusterSimulator, InstanceSpec, SimConfig
-from qlm.tooling.simulator.diurnal import DiurnalLoad, diurnal_requests, history_tpm
 from qlm.tooling.simulator.workload import SimRequest
 
 A100 = "A100-80GB"
@@ -239,7 +239,7 @@ def test_the_loop_scales_out_under_a_load_one_instance_cannot_carry() -> None:
 
 
 def test_the_loop_forecasts_each_hour_for_the_lt_policies() -> None:
-    from qlm.planner.capacity import CapacitySpec, InstanceProfile, create_capacity_policy
+    from qlm.planner.capacity.policies import CapacitySpec, InstanceProfile, create_capacity_policy
 
     cell = Cell("llama-2-70b", A100, "p")
     spec = CapacitySpec(

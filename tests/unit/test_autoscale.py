@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from qlm.autoscale import CommandDriver, DryRunDriver, create_driver
+from qlm.capacity.drivers import CommandDriver, DryRunDriver, create_driver
 
 DECISION = {"id": "d-1", "deltas": {"mistral-7b/A100/pool-a": 1}, "reason": "forecast peak"}
 

@@ -12,8 +12,8 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from qlm.forecast import TokenForecast
-from qlm.planner.capacity import (
+from qlm.capacity.forecast import TokenForecast
+from qlm.planner.capacity.policies import (
     CAPACITY_POLICIES,
     CapacityObservation,
     CapacitySpec,
@@ -28,7 +28,7 @@ from qlm.planner.capacity import (
     scale_up_from_plan,
     solve_capacity_ilp,
 )
-from qlm.tooling.bench_capacity import bench_capacity_ilp
+from qlm.tooling.capacity.bench import bench_capacity_ilp
 
 M, P = "m", "p"
 K = PoolKey(M, P)

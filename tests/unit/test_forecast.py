@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from qlm.forecast import ForecastConfig, TokenForecast, TokenRateSeries, forecast_next_hour
+from qlm.capacity.forecast import ForecastConfig, TokenForecast, TokenRateSeries, forecast_next_hour
 
 DAY = 1440
 # a smaller grid for the property test: it runs many fits, and the grid size is not under test

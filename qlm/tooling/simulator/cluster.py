@@ -284,7 +284,7 @@ def _message(req: SimRequest, program_started: float | None) -> RequestMessage:
 class CapacityController(Protocol):
     """Called every ``interval_s`` simulated seconds with the simulator, which it may change
     through :meth:`ClusterSimulator.add_instance` and :meth:`ClusterSimulator.release_instance`
-    (an autoscaler in the loop: qlm/tooling/simulator/capacity_sim.py)."""
+    (an autoscaler in the loop: qlm/tooling/capacity/sim.py)."""
 
     interval_s: float
 

@@ -1,13 +1,13 @@
 """The live autoscaler: a capacity policy in the running coordinator's loop.
 
 Every ``interval_s`` the loop observes the coordinator (instances per cell from the agents'
-heartbeats, effective memory utilisation, input tokens per minute, SLO misses, idle instances,
-the request planner's scale-up signal), forecasts the next hour at each hour boundary for the
-forecast-driven policies, asks the policy for a decision and, when it changes something, hands
-the decision's JSON to a driver (:mod:`qlm.autoscale`: a dry run by default, or the operator's
-program). Decisions with their inputs are kept for ``GET /v1/capacity`` and counted in the
-metrics. The same :class:`~planner.capacity.CapacityPolicy` objects run in the simulator's loop
-(:mod:`qlm.tooling.simulator.capacity_sim`).
+heartbeats, effective memory utilisation, input tokens per minute, SLO misses, idle instances, the
+request planner's scale-up signal), forecasts the next hour at each hour boundary for the
+forecast-driven policies, asks the policy for a decision and, when it changes something, hands the
+decision's JSON to a driver (:mod:`qlm.capacity.drivers`: a dry run by default, or the operator's
+program). Decisions with their inputs are kept for ``GET /v1/capacity`` and counted in the metrics.
+The same :class:`~qlm.planner.capacity.policies.CapacityPolicy` objects run in the simulator's loop
+(:mod:`qlm.tooling.capacity.sim`).
 
 Instances an applied decision started are not in the heartbeats until their agent registers
 (minutes): until then they count as *pending* in the observation, so a policy does not ask
@@ -31,9 +31,9 @@ import structlog
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from qlm.autoscale import AutoscalerDriver, DryRunDriver
-from qlm.forecast import TokenForecast, forecast_next_hour, trailing_mean
-from qlm.planner.capacity import (
+from qlm.capacity.drivers import AutoscalerDriver, DryRunDriver
+from qlm.capacity.forecast import TokenForecast, forecast_next_hour, trailing_mean
+from qlm.planner.capacity.policies import (
     CapacityDecision,
     CapacityObservation,
     CapacityPolicy,

@@ -1,12 +1,12 @@
 """Solve-time benchmark of the capacity ILP (issue 8 target: ≤ 2 s for 4 models × 3 pools ×
 2 GPU types; docs/capacity.md).
 
-Each solve is one :func:`qlm.planner.capacity.solve_capacity_ilp` call, timed end to end (cvxpy's
-problem construction and canonicalisation included, not only the solver), on a fresh random
-instance: per (model, pool) a demand drawn around a diurnal level, current counts drawn around
-what covers the previous hour, and GPU limits per (GPU type, pool) that bind on roughly a fifth
-of the instances (so the capped path, which solves three problems, is measured too). The first
-solve of a process pays the cvxpy/HiGHS import and is reported apart as ``first_solve_s``.
+Each solve is one :func:`qlm.planner.capacity.policies.solve_capacity_ilp` call, timed end to end
+(cvxpy's problem construction and canonicalisation included, not only the solver), on a fresh random
+instance: per (model, pool) a demand drawn around a diurnal level, current counts drawn around what
+covers the previous hour, and GPU limits per (GPU type, pool) that bind on roughly a fifth of the
+instances (so the capped path, which solves three problems, is measured too). The first solve of a
+process pays the cvxpy/HiGHS import and is reported apart as ``first_solve_s``.
 
 This module lives in the core package but imports ``planner`` lazily inside the function: the
 CLI wires ``qlm bench capacity-ilp`` to :func:`bench_capacity_ilp`.
@@ -36,7 +36,7 @@ def bench_capacity_ilp(
     """Time ``solves`` ILP solves of the given size; returns a JSON-able dict with
     ``median_s``, ``p95_s``, ``max_s``, ``first_solve_s``, the status counts, the sizes and
     ``meets_target`` (p95 ≤ 2 s)."""
-    from qlm.planner.capacity import (
+    from qlm.planner.capacity.policies import (
         CapacitySpec,
         Cell,
         InstanceProfile,

@@ -1,12 +1,12 @@
 """Carrying out capacity decisions: the autoscaler drivers.
 
-A capacity policy (``planner/capacity.py``) decides how many instances of each (model, GPU type,
-pool) to run; a *driver* makes it so. qlm cannot know how a site starts GPUs, so besides the
+A capacity policy (``planner/capacity/policies.py``) decides how many instances of each (model, GPU
+type, pool) to run; a *driver* makes it so. qlm cannot know how a site starts GPUs, so besides the
 dry run (the default: log and keep the decision, change nothing) it runs an operator-supplied
-program with the decision - a Kubernetes, Slurm or cloud CLI wrapper - and reports what came of
-it. A program that fails or hangs never takes the caller down: it is killed at the timeout, the
-failure is logged with the decision's id, and the caller keeps serving; the program receives
-the whole decision at once, so a decision is applied whole or reported as not applied.
+program with the decision - a Kubernetes, Slurm or cloud CLI wrapper - and reports what came of it.
+A program that fails or hangs never takes the caller down: it is killed at the timeout, the failure
+is logged with the decision's id, and the caller keeps serving; the program receives the whole
+decision at once, so a decision is applied whole or reported as not applied.
 
 The decision is any JSON object (``CapacityDecision.to_dict()``), written to the program's stdin;
 ``QLM_DECISION_ID`` is in its environment. Exit status 0 means applied.

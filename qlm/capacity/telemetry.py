@@ -1,7 +1,7 @@
 """What a live autoscaler measures, fed by the coordinator as requests come and go.
 
 The coordinator owns the facts (every admitted request, every answered one, every plan); a
-capacity loop (``planner/autoscale_loop.py``, wired by the CLI) reads them here on its own
+capacity loop (``planner/capacity/live_loop.py``, wired by the CLI) reads them here on its own
 schedule. Kept in the core so the coordinator feeds it without knowing whether any autoscaler
 runs, and cheap: a per-minute bucket per model and a one-minute deque of arrivals.
 """
@@ -13,7 +13,7 @@ from collections import deque
 from collections.abc import Mapping
 from typing import Any, Protocol
 
-from qlm.forecast import TokenRateSeries
+from qlm.capacity.forecast import TokenRateSeries
 
 
 class AutoscalerView(Protocol):

@@ -1,6 +1,6 @@
 """Tables and plots of the ``capacity`` scenario (``qlm bench sim --scenario capacity``).
 
-Works on the summary dict ``qlm.tooling.simulator.capacity_sim.run_capacity_scenario`` returns, so
+Works on the summary dict ``qlm.tooling.capacity.sim.run_capacity_scenario`` returns, so
 it needs
 nothing from the planner: per policy ``instance_hours``, ``scaling_waste_hours``,
 ``p95_latency_s``, ``p95_ttft_s``, ``slo_attainment`` and the rest of the simulator's metrics;

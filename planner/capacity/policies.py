@@ -39,7 +39,7 @@ from typing import Any, Literal, NamedTuple
 import numpy as np
 import structlog
 
-from qlm.forecast import TokenForecast
+from qlm.capacity.forecast import TokenForecast
 
 log = structlog.get_logger(__name__)
 

@@ -5,10 +5,10 @@
 last minute's input tokens, SLO misses, idle instances), forecasts the next hour at each hour
 boundary for the forecast-driven policies, asks a :class:`~planner.capacity.CapacityPolicy` for
 a decision and hands the decision's JSON to the simulator's driver
-(:class:`qlm.tooling.simulator.autoscaling.SimulatorDriver`), where new instances join after their
+(:class:`qlm.tooling.capacity.autoscaling.SimulatorDriver`), where new instances join after their
 start-up time.
 
-:func:`run_capacity_scenario` runs one day of diurnal load (:mod:`qlm.tooling.simulator.diurnal`)
+:func:`run_capacity_scenario` runs one day of diurnal load (:mod:`qlm.tooling.capacity.diurnal`)
 once
 per capacity policy, on the same requests, with the same request ordering policy (FCFS by
 default), and reports instance-hours, scaling waste, p95 latency and SLO attainment side by
@@ -27,8 +27,8 @@ from typing import Any
 import numpy as np
 import structlog
 
-from qlm.forecast import TokenForecast, TokenRateSeries, forecast_next_hour, trailing_mean
-from qlm.planner.capacity import (
+from qlm.capacity.forecast import TokenForecast, TokenRateSeries, forecast_next_hour, trailing_mean
+from qlm.planner.capacity.policies import (
     CapacityObservation,
     CapacityPolicy,
     CapacitySpec,
@@ -39,10 +39,10 @@ from qlm.planner.capacity import (
     create_capacity_policy,
 )
 from qlm.policy import QueuePolicy
-from qlm.tooling.simulator.autoscaling import InstanceTemplate, SimulatorDriver
+from qlm.tooling.capacity.autoscaling import InstanceTemplate, SimulatorDriver
+from qlm.tooling.capacity.diurnal import DiurnalLoad, diurnal_requests, history_tpm
 from qlm.tooling.simulator.cluster import ClusterSimulator, InstanceSpec, SimConfig
 from qlm.tooling.simulator.cluster import instance_profiles as engine_profiles
-from qlm.tooling.simulator.diurnal import DiurnalLoad, diurnal_requests, history_tpm
 
 log = structlog.get_logger(__name__)
 

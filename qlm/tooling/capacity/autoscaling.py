@@ -25,7 +25,7 @@ from typing import Any
 
 import structlog
 
-from qlm.autoscale import AutoscalerDriver, DriverOutcome
+from qlm.capacity.drivers import AutoscalerDriver, DriverOutcome
 from qlm.tooling.simulator.cluster import ClusterSimulator, InstanceSpec
 
 log = structlog.get_logger(__name__)
