@@ -487,20 +487,32 @@ class QLMPolicy(QueuePolicy):
         """The instance where the arrival starts first among those where it meets its SLO
         (its latest start against the planned work due before it there, model switch
         priced), else the least loaded one, into the tail. O(instances · log n)."""
-        eligible = [i for i in instances if i.serves(request.model)]
+        model = request.model
+        eligible = [i for i in instances if not i.draining and model in i.models]
         if not eligible:
             return None
         self._arrivals_since_plan += 1
         out_mean, out_bound, out_shot = self._lengths_of(request)
         tokens = float(self.work_tokens(request))
         best: tuple[tuple[Any, ...], PlanInstance, float, float, bool] | None = None
+        best_infeasible, best_primary = True, math.inf
         # identical instances share their rate: one (due, long shot) for all
         dues: dict[int, tuple[float, bool]] = {}
+        # this loop runs once per instance per arrival (a million-request simulation spends
+        # most of its coordinator time here): the common paths of _rate, _lane and
+        # ahead_tokens are inlined, and a rank tuple is built only for a candidate that can win
+        rates_get, lanes_get, load_get = self._rates.get, self._lanes.get, load.get
         for inst in eligible:
             iid = inst.instance_id
-            rate = self._rate(inst, request.model)
-            queued = max(load.get(iid, 0.0), 0.0)
-            lane = self._lane(iid, queued, rate)
+            rate = rates_get((iid, model))
+            if rate is None:
+                rate = self._rate(inst, model)
+            queued = load_get(iid, 0.0)
+            if queued < 0.0:
+                queued = 0.0
+            lane = lanes_get(iid)
+            if lane is None or (queued <= 0.0 and (lane.placed > 0.0 or lane._due)):
+                lane = self._lane(iid, queued, rate)
             priced_due = dues.get(id(rate))
             if priced_due is None:
                 pre = rate.prefill_fixed_s + rate.prefill_s_per_token * request.prompt_tokens
@@ -511,19 +523,22 @@ class QLMPolicy(QueuePolicy):
                 priced_due = dues[id(rate)] = (due, shot)
             due, shot = priced_due
             # a model the instance holds no work of: a new run (drain, then load)
-            held = request.model in lane.models or inst.active_model in (None, request.model)
+            held = model in lane.models or inst.active_model in (None, model)
             swap = 0.0 if held else rate.switch_s + lane.swap_s
-            start = now + lane.ahead_tokens(due, queued) * lane.s_per_token + swap
-            feasible = start <= due
-            rank = (
-                not feasible,
-                start if feasible else queued * lane.s_per_token + swap,
-                inst.running,
-                iid,
-            )
+            ahead = 0.0 if queued <= 0.0 else lane.ahead_tokens(due, queued)
+            start = now + ahead * lane.s_per_token + swap
+            infeasible = start > due
+            primary = queued * lane.s_per_token + swap if infeasible else start
+            if best is not None and (
+                infeasible > best_infeasible
+                or (infeasible == best_infeasible and primary > best_primary)
+            ):
+                continue
+            rank = (infeasible, primary, inst.running, iid)
             if best is None or rank < best[0]:
                 occ = request.prompt_tokens * rate.inv_prefill_tps + out_mean * rate.inv_tps
                 best = (rank, inst, due, occ, shot)
+                best_infeasible, best_primary = infeasible, primary
         assert best is not None
         rank, inst, due, occ, shot = best
         infeasible = rank[0]
