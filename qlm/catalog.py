@@ -64,6 +64,7 @@ MODELS: dict[str, ModelSpec] = {
     )
 }
 
+
 def _specs(table: GPUTable) -> dict[str, GPUSpec]:
     return {name: GPUSpec(name=name, **figures) for name, figures in table.entries.items()}
 

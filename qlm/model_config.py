@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from qlm.catalog import ModelSpec
+from qlm.catalog import ModelCatalog, ModelSpec, register_models
 
 CONFIG_FILE = "config.json"
 # Multimodal and composite configs keep the language model's fields under one of these.
@@ -26,7 +26,12 @@ _ALIASES: dict[str, tuple[str, ...]] = {
     "num_hidden_layers": ("num_hidden_layers", "n_layer", "num_layers", "n_layers"),
     "hidden_size": ("hidden_size", "n_embd", "d_model"),
     "num_attention_heads": ("num_attention_heads", "n_head", "n_heads", "num_heads"),
-    "num_key_value_heads": ("num_key_value_heads", "num_kv_heads", "n_head_kv", "multi_query_group_num"),
+    "num_key_value_heads": (
+        "num_key_value_heads",
+        "num_kv_heads",
+        "n_head_kv",
+        "multi_query_group_num",
+    ),
     "intermediate_size": ("intermediate_size", "ffn_hidden_size", "n_inner", "ffn_dim"),
     "vocab_size": ("vocab_size", "padded_vocab_size"),
     "max_position_embeddings": (
@@ -122,9 +127,11 @@ def spec_from_dict(
         raise ModelConfigError(f"{where}: expected a JSON object")
     c = _flatten(config)
     values = {f: _field(c, f) for f in REQUIRED}
-    if values["intermediate_size"] is None and c.get("model_type") == "gpt2" and values[
-        "hidden_size"
-    ]:
+    if (
+        values["intermediate_size"] is None
+        and c.get("model_type") == "gpt2"
+        and values["hidden_size"]
+    ):
         values["intermediate_size"] = 4 * values["hidden_size"]  # GPT-2: n_inner null = 4 x
     missing = [f for f in REQUIRED if values[f] is None]
     if missing:
@@ -236,8 +243,16 @@ def parse_model_config_arg(item: str) -> ModelSpec:
     return spec_from_config(path.strip(), name.strip())
 
 
-_SPEC_INT_FIELDS = ("n_layers", "hidden_size", "n_heads", "n_kv_heads", "head_dim")
-_SPEC_INT_FIELDS += ("max_context", "max_output_tokens", "dtype_bytes")
+_SPEC_INT_FIELDS = (
+    "n_layers",
+    "hidden_size",
+    "n_heads",
+    "n_kv_heads",
+    "head_dim",
+    "max_context",
+    "max_output_tokens",
+    "dtype_bytes",
+)
 
 
 def _spec_from_entry(entry: dict[str, Any], where: str) -> ModelSpec:
@@ -310,3 +325,22 @@ def load_models_file(path: str | Path) -> list[ModelSpec]:
     if duplicates:
         raise ModelConfigError(f"models file {p}: {duplicates} defined more than once")
     return specs
+
+
+def split_model_configs(value: str | None) -> list[str]:
+    """``QLM_MODEL_CONFIGS``: comma-separated ``NAME=PATH`` or ``PATH`` items."""
+    return [item.strip() for item in (value or "").split(",") if item.strip()]
+
+
+def load_catalog(
+    models_file: str | None, model_configs: list[str] | None = None, *, register: bool = True
+) -> ModelCatalog:
+    """The catalog every qlm process builds the same way: the built-in models, then
+    ``QLM_MODELS_FILE``, then each ``NAME=PATH`` config (a later one replaces an earlier
+    model of the same name). ``register`` also makes them known process-wide
+    (:func:`qlm.catalog.register_models`), which the engine model and the planner need."""
+    specs = load_models_file(models_file) if models_file else []
+    specs += [parse_model_config_arg(item) for item in model_configs or []]
+    if register:
+        register_models(specs)
+    return ModelCatalog.with_models(specs)

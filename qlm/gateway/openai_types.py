@@ -317,6 +317,9 @@ class ModelCard(_Out):
     object: Literal["model"] = "model"
     created: int = 0
     owned_by: str = "qlm"
+    # vLLM's extension: prompt + output tokens the model accepts (here: the coordinator's
+    # limit for it, the catalog's max_context)
+    max_model_len: int | None = None
 
 
 class ModelList(_Out):

@@ -121,14 +121,50 @@ async def _record(
 
 @pytest.mark.broker
 @pytest.mark.asyncio(loop_scope="module")
-async def test_models_lists_the_catalog(stack: Stack) -> None:
+async def test_models_lists_what_live_agents_serve(stack: Stack) -> None:
     async with stack.openai() as api:
         models = await api.models.list()
-        assert sorted(m.id for m in models.data) == ModelCatalog().names()
+        # the agent serves mistral-7b only; the catalog's other models are not listed
+        assert [m.id for m in models.data] == [MODEL]
+        card = models.data[0]
+        assert card.object == "model" and (card.model_extra or {})["max_model_len"] == 8192
         assert (await api.models.retrieve(MODEL)).id == MODEL
+        for absent in ("gpt-4o", "vicuna-13b"):  # unknown; in the catalog but not served
+            with pytest.raises(openai.NotFoundError) as err:
+                await api.models.retrieve(absent)
+            assert err.value.code == "model_not_found"
+        assert "not served by any live agent" in err.value.message
+
+
+@pytest.mark.broker
+@pytest.mark.asyncio(loop_scope="module")
+async def test_unserved_model_is_404_at_once(stack: Stack) -> None:
+    started = time.monotonic()
+    async with stack.openai() as api:
         with pytest.raises(openai.NotFoundError) as err:
-            await api.models.retrieve("gpt-4o")
-    assert err.value.code == "model_not_found"
+            await api.chat.completions.create(
+                model="vicuna-13b", messages=[{"role": "user", "content": "hi"}], max_tokens=2
+            )
+    assert time.monotonic() - started < 5  # not the gateway's timeout: the coordinator's reply
+    assert err.value.code == "model_not_found" and err.value.param == "model"
+    assert "no live agent serves model 'vicuna-13b'" in err.value.message
+
+
+@pytest.mark.broker
+@pytest.mark.asyncio(loop_scope="module")
+async def test_a_bare_app_without_announcements_lists_the_catalog(stack: Stack) -> None:
+    client = GatewayClient(stack.amqp_url)
+    await client.connect()
+    app = create_gateway_app(client, keys=ApiKeys({KEY: TENANT}), catalog=ModelCatalog())
+    server = await serve_admin(app, "127.0.0.1", 0)
+    try:
+        base = f"http://127.0.0.1:{server.port}/v1"
+        async with AsyncOpenAI(base_url=base, api_key=KEY, max_retries=0) as api:
+            models = await api.models.list()
+        assert sorted(m.id for m in models.data) == ModelCatalog().names()
+    finally:
+        await server.stop()
+        await client.close()
 
 
 @pytest.mark.broker

@@ -86,7 +86,10 @@ def test_user_table_as_json(tmp_path: Path) -> None:
     [
         ("", "expected a mapping"),
         ("- A10\n", "expected a mapping"),
-        ("X: {memory_gb: 16, mem_bw_gbs: 1, bf16_tflops: 1}\n", "GPU 'X': pcie_gbs: Field required"),
+        (
+            "X: {memory_gb: 16, mem_bw_gbs: 1, bf16_tflops: 1}\n",
+            "GPU 'X': pcie_gbs: Field required",
+        ),
         (
             "X: {memory_gb: -1, mem_bw_gbs: 1, bf16_tflops: 1, pcie_gbs: 1}\n",
             "GPU 'X': memory_gb: Input should be greater than 0",

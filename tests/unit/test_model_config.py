@@ -65,7 +65,9 @@ def test_mistral_matches_the_hand_written_catalog_entry() -> None:
 
 def test_missing_kv_heads_means_multi_head_attention() -> None:
     spec = spec_from_dict(LLAMA_2_13B, "vicuna-13b", "x")
-    assert spec.n_kv_heads == 40 and spec.kv_bytes_per_token == MODELS["vicuna-13b"].kv_bytes_per_token
+    assert (
+        spec.n_kv_heads == 40 and spec.kv_bytes_per_token == MODELS["vicuna-13b"].kv_bytes_per_token
+    )
     assert spec.params_b == pytest.approx(13.0, rel=0.01)
 
 
@@ -229,9 +231,7 @@ def test_models_file_mixes_written_specs_and_configs(tmp_path: Path) -> None:
     assert catalog.get("m7").max_output_tokens == 4096 and catalog.get("tiny").dtype_bytes == 2
     # a model directory or a config.json is a models file of one model
     assert [s.name for s in load_models_file(tmp_path / "weights" / "m7")] == ["m7"]
-    assert [s.name for s in load_models_file(tmp_path / "weights" / "m7" / "config.json")] == [
-        "m7"
-    ]
+    assert [s.name for s in load_models_file(tmp_path / "weights" / "m7" / "config.json")] == ["m7"]
 
 
 @pytest.mark.parametrize(
