@@ -40,6 +40,7 @@ from qlm.admin import AdminServer, serve_admin
 from qlm.catalog import ModelCatalog, ModelSpec, UnknownModelError
 from qlm.client import MalformedReply, QlmClient, Reply
 from qlm.gateway.openai_types import (
+    SERVICE_TIER_CLASSES,
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
@@ -100,6 +101,9 @@ class GatewaySettings(BaseSettings):
     default_slo_ms: int = Field(default=60_000, gt=0)
     # Optional TTFT deadline of a call that names no SLO at all.
     default_ttft_ms: int | None = Field(default=None, gt=0)
+    # SLO of a `service_tier: "flex"` call that names none: long, so that the batch tier holds
+    # it for spare capacity (QLM_BATCH_MIN_SLACK_S, 1 h by default).
+    flex_slo_ms: int = Field(default=86_400_000, gt=0, le=7 * 24 * 3_600_000)
     # max_tokens of a chat call that sends none (capped at the model's max_output_tokens).
     default_max_tokens: int = Field(default=256, ge=1)
     # How long one HTTP call waits for its reply before a 504. qlm serves late work anyway.
@@ -421,8 +425,13 @@ class _Gateway:
         ttft = body.qlm_ttft_ms or _header_int(request, "x-qlm-ttft-ms")
         tbt = body.qlm_tbt_ms or _header_int(request, "x-qlm-tbt-ms")
         slo_class = body.qlm_slo_class or request.headers.get("x-qlm-slo-class")
+        if slo_class is None and body.service_tier is not None:
+            slo_class = SERVICE_TIER_CLASSES[body.service_tier]
         if e2e is None and ttft is None:
-            e2e, ttft = self.settings.default_slo_ms, self.settings.default_ttft_ms
+            if body.service_tier == "flex":
+                e2e = self.settings.flex_slo_ms
+            else:
+                e2e, ttft = self.settings.default_slo_ms, self.settings.default_ttft_ms
         try:
             return SLO(e2e_ms=e2e, ttft_ms=ttft, tbt_ms=tbt, slo_class=slo_class)
         except ValidationError as exc:
@@ -431,6 +440,10 @@ class _Gateway:
     def priority(self, request: Request, body: CompletionRequest | ChatCompletionRequest) -> int:
         if body.qlm_priority is not None:
             return body.qlm_priority
+        if body.priority is not None:
+            # vLLM: lower is earlier, default 0; qlm: 0-9, higher is more urgent, default 0.
+            # So -priority, clamped: vLLM's urgent negatives rise, its deferrals stay at 0.
+            return min(9, max(0, -body.priority))
         p = _header_int(request, "x-qlm-priority")
         if p is not None and not 0 <= p <= 9:
             raise GatewayError(400, "header x-qlm-priority must be 0-9", param="x-qlm-priority")

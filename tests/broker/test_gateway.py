@@ -232,6 +232,45 @@ async def test_chat_with_slo_from_header_and_body(stack: Stack) -> None:
 
 @pytest.mark.broker
 @pytest.mark.asyncio(loop_scope="module")
+async def test_vllm_priority_and_openai_service_tier_map_to_qlm(stack: Stack) -> None:
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    cases: list[tuple[dict[str, object], int, str | None, float]] = [
+        ({"priority": -5}, 5, None, 30.0),  # vLLM: lower is earlier; qlm: higher is
+        ({"priority": -50}, 9, None, 30.0),  # clamped to qlm's 0-9
+        ({"priority": 7}, 0, None, 30.0),  # deferred in vLLM: qlm's lowest, 0
+        ({"priority": -5, "qlm_priority": 2}, 2, None, 30.0),  # qlm's own field wins
+        ({"service_tier": "auto"}, 0, "interactive", 30.0),
+        ({"service_tier": "default", "qlm_slo_class": "mine"}, 0, "mine", 30.0),
+        ({"service_tier": "flex"}, 0, "batch", 86_400.0),  # a long deadline: the batch tier
+        ({"service_tier": "flex", "qlm_slo_ms": 90_000}, 0, "batch", 90.0),
+    ]
+    async with stack.openai() as api:
+        for extra, priority, slo_class, deadline_s in cases:
+            resp = await api.chat.completions.create(**chat, extra_body=extra)
+            rid = (resp.model_extra or {})["qlm"]["request_id"]
+            record = await _record(stack.cluster.database_url, rid)
+            assert (record["priority"], record["slo_class"]) == (priority, slo_class), extra
+            assert record["deadline"] - record["submitted_at"] == pytest.approx(deadline_s), extra
+    auth = {"Authorization": f"Bearer {KEY}"}
+    async with stack.http() as http:
+        for bad, param in (
+            ({"service_tier": "scale"}, "service_tier"),
+            ({"service_tier": "priority"}, "service_tier"),
+            ({"priority": "high"}, "priority"),
+            ({"priority": 2**40}, "priority"),
+        ):
+            r = await http.post("/v1/chat/completions", json={**chat, **bad}, headers=auth)
+            assert r.status_code == 400, (bad, r.text)
+            error = _assert_openai_error(r.json())
+            assert error["param"] == param, error
+        r = await http.post(
+            "/v1/chat/completions", json={**chat, "service_tier": "scale"}, headers=auth
+        )
+        assert "'scale' is not supported by qlm (send auto, default, flex" in r.text
+
+
+@pytest.mark.broker
+@pytest.mark.asyncio(loop_scope="module")
 async def test_streaming_chat_sends_the_text_as_chunks_then_done(stack: Stack) -> None:
     async with stack.openai() as api:
         stream = await api.chat.completions.create(
