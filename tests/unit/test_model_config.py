@@ -274,3 +274,53 @@ def test_written_spec_with_a_bad_value(tmp_path: Path) -> None:
     path.write_text(json.dumps([entry]))
     with pytest.raises(ModelConfigError, match="entry 0: params_b must be positive"):
         load_models_file(path)
+
+
+# --- the command line ------------------------------------------------------------------------
+
+
+def test_cli_loads_model_configs_and_registers_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from qlm.cli import _catalog
+    from qlm.config import Settings
+    from qlm.engine_model import get_profile
+
+    _write(tmp_path / "from-env", MISTRAL_7B)
+    _write(tmp_path / "from-flag", LLAMA_2_13B)
+    monkeypatch.setenv("QLM_MODEL_CONFIGS", f"env-model={tmp_path / 'from-env'}")
+    saved = dict(MODELS)
+    try:
+        catalog = _catalog(Settings(), [str(tmp_path / "from-flag")])
+        assert {"env-model", "from-flag", "mistral-7b"} <= set(catalog.names())
+        # known process-wide: the sim engine and the planner time it like a built-in
+        assert get_profile("H200", "from-flag").model.n_kv_heads == 40
+    finally:
+        MODELS.clear()
+        MODELS.update(saved)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["coordinator", "--model-config", "nowhere"], "nowhere: no such file or directory"),
+        (["agent", "--model-config", "{bad}"], "missing num_hidden_layers"),
+        (["agent", "--gpu-table", "{table}"], "GPU 'X': pcie_gbs: Field required"),
+    ],
+)
+def test_cli_refuses_bad_model_configs_and_gpu_tables(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, args: list[str], message: str
+) -> None:
+    from typer.testing import CliRunner
+
+    import qlm.cli
+    from qlm.cli import app
+
+    # no process-wide logging set-up (nor GC-pause hooks) from inside the test session
+    monkeypatch.setattr(qlm.cli, "_setup_logging", lambda s, component: None)
+    _write(tmp_path / "bad", {"model_type": "llama"})
+    (tmp_path / "gpus.yaml").write_text("X: {memory_gb: 1, mem_bw_gbs: 1, bf16_tflops: 1}\n")
+    args = [a.format(bad=tmp_path / "bad", table=tmp_path / "gpus.yaml") for a in args]
+    result = CliRunner().invoke(app, args, env={"QLM_ADMIN_TOKEN": "t" * 32})
+    assert result.exit_code == 2, result.output
+    assert message in " ".join(result.output.split())
