@@ -396,8 +396,8 @@ def profile_from_dict(data: dict[str, Any]) -> EngineProfile:
     if isinstance(gpu, dict) and "interconnect_gbs" not in gpu:
         # written before the GPU table had the field: the link is the table's, as it was then
         # (a hard-coded NVLink table), or PCIe for a GPU the table does not know
-        known = GPUS.get(canonical_gpu(str(gpu.get("name"))))
-        gpu = {**gpu, "interconnect_gbs": known.interconnect_gbs if known else None}
+        table = GPUS.get(canonical_gpu(str(gpu.get("name"))))
+        gpu = {**gpu, "interconnect_gbs": table.interconnect_gbs if table else None}
     gpu_figures = gpu_spec(gpu) if isinstance(gpu, str) else GPUSpec(**gpu)
     model_spec = MODELS[model] if isinstance(model, str) else ModelSpec(**model)
     return EngineProfile(gpu=gpu_figures, model=model_spec, **values)
