@@ -517,8 +517,11 @@ def profile_run(
 ) -> None:
     """Measure an engine (single requests, a concurrency sweep, model switches) and write the
     hardware profile the estimator, the simulator and SABER's gate use (docs/engine-model.md)."""
+    from qlm.catalog import canonical_gpu
+
     s = _settings()
     _setup_logging(s, "profile")
+    gpu_type = canonical_gpu(gpu_type)  # stored under the name agents report (H100: H100-80GB)
     prompt_lens, levels = _profile_sizes(prompts, concurrency, max_concurrency, output_tokens)
     name, sep, path = model.partition("=")
     if sep:
