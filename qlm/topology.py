@@ -13,6 +13,7 @@
                                                     pulls, which are worthless once stale
         "agent.<id>"    ──► qlm.agent.<id> (exclusive, auto-delete): dispatches to that agent
     results ──► default exchange, routing key = the request's reply_to
+    qlm.models (fanout) ──► each gateway's exclusive queue: the coordinator's served models
 
 Sharding exists because one consumer can hold at most 65,535 unacked deliveries (AMQP's
 prefetch is 16 bits) and the coordinator keeps every queued request unacked until its result is
