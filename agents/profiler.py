@@ -35,7 +35,7 @@ from scipy.optimize import OptimizeWarning
 
 from qlm.admission import USLSpeedModel, fit_usl
 from qlm.agents.engine import EngineBackend, EngineOutput, EngineRequest, ModelState
-from qlm.catalog import GPUS, GPUSpec, ModelSpec, resolve_model
+from qlm.catalog import GPUS, GPUSpec, ModelSpec, canonical_gpu, resolve_model
 from qlm.engine_model import EngineProfile, profile_to_dict
 
 log = structlog.get_logger(__name__)
@@ -320,7 +320,7 @@ def _fit_profile(
     import numpy as np
     from scipy.optimize import least_squares
 
-    known = GPUS.get(gpu_type)
+    known = GPUS.get(canonical_gpu(gpu_type))
 
     def make(x: Any) -> EngineProfile:
         gpu = GPUSpec(

@@ -1,16 +1,20 @@
 """Model and GPU catalog: the static facts every component agrees on.
 
-Model shapes come from the models' published configs (Hugging Face ``config.json``); GPU figures
-from the vendors' datasheets. ``docs/engine-model.md`` cites each one. The coordinator validates
+Model shapes come from the models' published configs (Hugging Face ``config.json``; more models
+from a models file or a config.json, :mod:`qlm.model_config`); GPU figures from the vendors'
+data sheets, kept as data in ``qlm/data/gpus.yaml`` (:mod:`qlm.gpu_table`), which cites each
+one. The coordinator validates
 requests against ``ModelSpec.max_context``/``max_output_tokens``; the engine performance model
 (:mod:`qlm.engine_model`) derives timings and KV capacity from the same records.
 """
 
 from __future__ import annotations
 
-import json
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
+
+from qlm.gpu_table import GPUTable, load_gpu_table, merge, shipped_gpu_table
 
 
 @dataclass(frozen=True)
@@ -43,6 +47,8 @@ class GPUSpec:
     bf16_tflops: float  # dense tensor-core peak
     mem_bw_gbs: float  # HBM bandwidth, GB/s
     pcie_gbs: float  # host<->device bandwidth, GB/s, one direction, achievable
+    # GPU<->GPU bandwidth for tensor parallelism (NVLink), GB/s one direction; None: PCIe
+    interconnect_gbs: float | None = None
 
 
 # Shapes: Mistral-7B-v0.1, Llama-2-13b (Vicuna-13B has the same shape), Llama-2-70b configs.
@@ -58,15 +64,35 @@ MODELS: dict[str, ModelSpec] = {
     )
 }
 
-GPUS: dict[str, GPUSpec] = {
-    g.name: g
-    for g in (
-        # "80 GB" cards have 81,920 MiB = 85.9e9 bytes; the A10 has 23,028 MiB = 24.1e9 bytes.
-        GPUSpec("A10", 24.1, 125, 600, 25),
-        GPUSpec("A100-80GB", 85.9, 312, 2039, 25),
-        GPUSpec("H100-80GB", 85.9, 989, 3350, 50),
-    )
-}
+
+def _specs(table: GPUTable) -> dict[str, GPUSpec]:
+    return {name: GPUSpec(name=name, **figures) for name, figures in table.entries.items()}
+
+
+# The shipped table (qlm/data/gpus.yaml, data-sheet figures with their sources); use_gpu_table
+# adds a user's. Both dicts are updated in place: modules that imported them see the change.
+_TABLE = shipped_gpu_table()
+GPUS: dict[str, GPUSpec] = _specs(_TABLE)
+GPU_ALIASES: dict[str, str] = dict(_TABLE.aliases)
+
+
+def use_gpu_table(path: str | Path) -> list[str]:
+    """Merge a user GPU table (``QLM_GPU_TABLE`` / ``--gpu-table``) over the shipped one, for
+    this process; returns the GPU names it defines. Raises GPUTableError naming the problem."""
+    global _TABLE
+    extra = load_gpu_table(path)
+    _TABLE = merge(_TABLE, extra, f"GPU table {path}")
+    GPUS.clear()
+    GPUS.update(_specs(_TABLE))
+    GPU_ALIASES.clear()
+    GPU_ALIASES.update(_TABLE.aliases)
+    return sorted(extra.entries)
+
+
+def canonical_gpu(name: str) -> str:
+    """The table's name for ``name`` (an alias resolved); an unknown name is returned as is
+    (a CPU host or a GPU only a measured profile knows)."""
+    return GPU_ALIASES.get(name, name)
 
 
 class UnknownModelError(KeyError):
@@ -111,16 +137,35 @@ class ModelCatalog:
 
     @classmethod
     def from_file(cls, path: str | Path) -> ModelCatalog:
-        """Load extra models from a JSON list of ModelSpec fields, on top of the built-ins."""
+        """The built-ins plus the models of a models file (a JSON list of ModelSpec fields or
+        ``{"name", "config"}`` entries) or of one model directory / ``config.json``: see
+        :func:`qlm.model_config.load_models_file` (docs/engine-model.md has the format)."""
+        from qlm.model_config import load_models_file  # it builds on this module
+
+        return cls.with_models(load_models_file(path))
+
+    @classmethod
+    def with_models(cls, specs: Iterable[ModelSpec]) -> ModelCatalog:
+        """The built-ins plus ``specs`` (a spec replaces a built-in of the same name)."""
         models = dict(MODELS)
-        for entry in json.loads(Path(path).read_text()):
-            spec = ModelSpec(**entry)
-            models[spec.name] = spec
+        models.update((s.name, s) for s in specs)
         return cls(models)
 
 
+def register_models(specs: Iterable[ModelSpec]) -> None:
+    """Make ``specs`` known process-wide, as the built-ins are: the engine model
+    (:func:`qlm.engine_model.get_profile`), the sim engine and the planner's estimates look
+    models up by name in :data:`MODELS`. Called at start by the commands that load models
+    from files, before anything caches a profile."""
+    MODELS.update((s.name, s) for s in specs)
+
+
 def gpu(name: str) -> GPUSpec:
+    """The spec of a GPU type, by name or alias; KeyError listing the known ones."""
     try:
-        return GPUS[name]
+        return GPUS[canonical_gpu(name)]
     except KeyError:
-        raise KeyError(f"unknown GPU type {name!r}; known: {sorted(GPUS)}") from None
+        raise KeyError(
+            f"unknown GPU type {name!r}; known: {sorted(GPUS)} (aliases: {sorted(GPU_ALIASES)}; "
+            "more with QLM_GPU_TABLE)"
+        ) from None

@@ -65,6 +65,22 @@ async def _wait_for_signal() -> None:
     await stop.wait()
 
 
+ModelConfigOption = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--model-config",
+        help="a model from its Hugging Face config.json: NAME=PATH or PATH (a model directory, "
+        "its config.json or a HF cache entry); repeat. Also QLM_MODEL_CONFIGS (comma-separated)",
+    ),
+]
+GPUTableOption = Annotated[
+    str | None,
+    typer.Option(
+        help="YAML/JSON GPU table over the shipped one (QLM_GPU_TABLE; docs/engine-model.md)"
+    ),
+]
+
+
 @app.command()
 def coordinator(
     policy: Annotated[
@@ -76,23 +92,66 @@ def coordinator(
     ] = None,
     shards: Annotated[int | None, typer.Option(help="global queue shards (QLM_SHARDS)")] = None,
     admin_port: Annotated[int | None, typer.Option(help="admin API port (QLM_ADMIN_PORT)")] = None,
+    model_config: ModelConfigOption = None,
+    gpu_table: GPUTableOption = None,
+    unserved_model_hold_s: Annotated[
+        float | None,
+        typer.Option(
+            help="hold a request for a model no live agent serves this long before answering "
+            "model_not_served (QLM_UNSERVED_MODEL_HOLD_S, 0: at once)"
+        ),
+    ] = None,
 ) -> None:
     """Run the coordinator: consume the global queue, plan, dispatch, reply; serve the admin API."""
     s = _settings()
     _setup_logging(s, "coordinator")
+    _use_gpu_table(s, gpu_table)
+    catalog = _catalog(s, model_config)
+    if unserved_model_hold_s is not None:
+        if unserved_model_hold_s < 0:
+            raise typer.BadParameter("--unserved-model-hold-s must be >= 0")
+        s.unserved_model_hold_s = unserved_model_hold_s
     asyncio.run(
         _run_coordinator(
             s,
             policy or s.policy,
             shards or s.shards,
             s.admin_port if admin_port is None else admin_port,
+            catalog,
         )
     )
 
 
-async def _run_coordinator(s: Settings, policy_name: str, shards: int, admin_port: int) -> None:
+def _use_gpu_table(s: Settings, flag: str | None) -> None:
+    """The shipped GPU table plus the user's (flag, else QLM_GPU_TABLE); a bad one is a
+    usage error naming the file and the problem."""
+    from qlm.catalog import use_gpu_table
+    from qlm.gpu_table import GPUTableError
+
+    path = flag or s.gpu_table
+    if path is None:
+        return
+    try:
+        use_gpu_table(path)
+    except GPUTableError as exc:
+        raise typer.BadParameter(str(exc)) from None
+
+
+def _catalog(s: Settings, flags: list[str] | None) -> Any:
+    """The model catalog (built-ins, QLM_MODELS_FILE, QLM_MODEL_CONFIGS, --model-config),
+    also registered process-wide for the engine model and the planner."""
+    from qlm.model_config import ModelConfigError, load_catalog, split_model_configs
+
+    try:
+        return load_catalog(s.models_file, [*split_model_configs(s.model_configs), *(flags or [])])
+    except ModelConfigError as exc:
+        raise typer.BadParameter(str(exc)) from None
+
+
+async def _run_coordinator(
+    s: Settings, policy_name: str, shards: int, admin_port: int, catalog: Any
+) -> None:
     from qlm.admin import create_admin_app, serve_admin
-    from qlm.catalog import ModelCatalog
     from qlm.coordinator.core import AdmissionLimits, LSOSettings
     from qlm.coordinator.identity import ProducerIdentity
     from qlm.coordinator.service import Coordinator
@@ -100,7 +159,6 @@ async def _run_coordinator(s: Settings, policy_name: str, shards: int, admin_por
 
     if s.admin_token is None:
         raise typer.BadParameter("QLM_ADMIN_TOKEN must be set (the admin API requires a token)")
-    catalog = ModelCatalog.from_file(s.models_file) if s.models_file else ModelCatalog()
     store = await Store.open(s.database_url)
     await _use_measured_profiles(store)
     coord = Coordinator(
@@ -119,6 +177,8 @@ async def _run_coordinator(s: Settings, policy_name: str, shards: int, admin_por
         batch=_batch_tier(s),
         identity=ProducerIdentity(s.producer_identity),
         answer_retention_s=s.answer_retention_s,
+        unserved_model_hold_s=s.unserved_model_hold_s,
+        unserved_model_grace_s=s.unserved_model_grace_s,
     )
     autoscaler = _live_autoscaler(s, coord)
     await coord.start()
@@ -220,7 +280,13 @@ async def _use_measured_profiles(store: Any) -> None:
 def agent(
     backend: Annotated[str, typer.Option(help="engine backend: sim | vllm")] = "sim",
     gpus: Annotated[int, typer.Option(help="GPUs (one instance each)")] = 1,
-    gpu_type: Annotated[str, typer.Option(help="A10 | A100-80GB | H100-80GB")] = "A100-80GB",
+    gpu_type: Annotated[
+        str,
+        typer.Option(
+            help="GPU type from the GPU table (A10, L4, L40S, A100-40GB, A100-80GB, H100-80GB, "
+            "H200, B200, aliases such as H100, or --gpu-table's)"
+        ),
+    ] = "A100-80GB",
     models: Annotated[str, typer.Option(help="comma-separated models")] = "mistral-7b",
     time_scale: Annotated[float, typer.Option(help="sim: engine speed-up factor")] = 1.0,
     agent_id: Annotated[str | None, typer.Option(help="stable agent id")] = None,
@@ -247,11 +313,23 @@ def agent(
     cpu_memory_gb: Annotated[
         float | None, typer.Option(help="host memory for warm models and swapped KV")
     ] = None,
+    model_config: ModelConfigOption = None,
+    gpu_table: GPUTableOption = None,
 ) -> None:
     """Run an agent that hosts one engine instance per GPU and serves what it is dispatched."""
+    from qlm.catalog import canonical_gpu
+
     s = _settings()
     _setup_logging(s, "agent")
+    _use_gpu_table(s, gpu_table)
+    gpu_type = canonical_gpu(gpu_type)  # the table's name: the planner's profiles use it
     names = [m for m in models.split(",") if m]
+    paths = _parse_model_paths(model_path or [], names, backend)
+    catalog = _catalog(s, model_config)
+    # a vllm model the catalog does not know is described by the config.json of its weights
+    unknown = [f"{m}={paths[m]}" for m in names if m in paths and m not in catalog]
+    if unknown:
+        _catalog(s, [*(model_config or []), *unknown])
     engines = _make_engines(
         backend,
         gpus,
@@ -259,7 +337,7 @@ def agent(
         names,
         time_scale=time_scale,
         seed=seed,
-        model_paths=_parse_model_paths(model_path or [], names, backend),
+        model_paths=paths,
         vllm_options={
             "max_model_len": max_model_len,
             "max_num_seqs": max_num_seqs,
@@ -439,8 +517,11 @@ def profile_run(
 ) -> None:
     """Measure an engine (single requests, a concurrency sweep, model switches) and write the
     hardware profile the estimator, the simulator and SABER's gate use (docs/engine-model.md)."""
+    from qlm.catalog import canonical_gpu
+
     s = _settings()
     _setup_logging(s, "profile")
+    gpu_type = canonical_gpu(gpu_type)  # stored under the name agents report (H100: H100-80GB)
     prompt_lens, levels = _profile_sizes(prompts, concurrency, max_concurrency, output_tokens)
     name, sep, path = model.partition("=")
     if sep:

@@ -46,7 +46,20 @@ class Settings(BaseSettings):
     # JSON object, tenant -> its own limit, overriding QLM_MAX_QUEUED_PER_TENANT; 0 refuses
     # every request of that tenant
     tenant_limits: dict[str, Annotated[int, Field(ge=0)]] = Field(default_factory=dict)
+    # more models than the built-ins (docs/engine-model.md, "Adding models"): a models file
+    # (JSON list, or one model directory / config.json), and comma-separated NAME=PATH (or
+    # PATH) Hugging Face model directories whose config.json describes the model
     models_file: str | None = None
+    model_configs: str | None = None
+    # a YAML/JSON GPU table over the shipped qlm/data/gpus.yaml (more GPU types, other figures)
+    gpu_table: str | None = None
+    # a request for a model no live agent serves: answered `model_not_served` at once (0), or
+    # held this long first for an agent to come up (scale from zero); docs/protocol.md
+    unserved_model_hold_s: float = Field(default=0.0, ge=0)
+    # after the coordinator starts, agents need a heartbeat or two to register: requests for
+    # models not yet seen wait this long rather than being refused (default: the heartbeat
+    # timeout, by which every live agent has been heard from)
+    unserved_model_grace_s: float | None = Field(default=None, ge=0)
     # a task-chain call that arrives after its derived deadline: "promote" it (CATO: keep the
     # passed deadline, top priority) or "demote" it to best effort (SABER); qlm/chains.py
     late_task_rule: Literal["promote", "demote"] = "promote"

@@ -174,3 +174,21 @@ ToCoordinator = Annotated[
     Heartbeat | Pull | Completion | Failure | Evicted | Goodbye, Field(discriminator="type")
 ]
 to_coordinator_adapter: TypeAdapter[ToCoordinator] = TypeAdapter(ToCoordinator)
+
+
+class ServedModel(_Msg):
+    id: str
+    max_model_len: int  # prompt + output tokens the coordinator accepts for it
+    instances: int  # live instances serving it
+
+
+class ServedModels(_Msg):
+    """What the coordinator serves now, fanned out on ``qlm.models`` to every gateway (their
+    ``GET /v1/models``); sent after its start grace, on every change and every
+    ``SERVED_MODELS_INTERVAL_S``. A list older than ``valid_s`` is stale (the coordinator is
+    gone)."""
+
+    type: Literal["served_models"] = "served_models"
+    sent_at: float
+    valid_s: float
+    models: list[ServedModel]

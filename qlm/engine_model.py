@@ -23,7 +23,8 @@ from dataclasses import asdict, dataclass, fields
 from functools import cached_property
 from typing import Any
 
-from qlm.catalog import GPUS, MODELS, GPUSpec, ModelSpec, resolve_model
+from qlm.catalog import GPUS, MODELS, GPUSpec, ModelSpec, canonical_gpu, resolve_model
+from qlm.catalog import gpu as gpu_spec
 
 # vLLM paged KV cache: a block holds 16 tokens on CUDA (the default --block-size).
 KV_BLOCK_TOKENS = 16
@@ -52,9 +53,8 @@ NVME_READ_GBS = 2.0
 # 0.6B model takes 0.26 s, nearly all fixed cost; vLLM blog "sleep mode", v0.11, A100).
 MODEL_LOAD_FIXED_S = 0.3
 
-# Tensor parallelism: two all-reduces per layer over the GPUs' interconnect, GB/s one direction.
-# A10 has no NVLink: PCIe. A100 SXM NVLink3 600 GB/s total; H100 SXM NVLink4 900 GB/s total.
-INTERCONNECT_GBS: dict[str, float] = {"A100-80GB": 300.0, "H100-80GB": 450.0}
+# Tensor parallelism: two all-reduces per layer over the GPUs' interconnect (GPUSpec's
+# interconnect_gbs, NVLink, from qlm/data/gpus.yaml; PCIe where a GPU has none).
 ALLREDUCE_LATENCY_S = 10e-6
 
 TP_DEGREES = (1, 2, 4, 8)
@@ -171,7 +171,7 @@ class EngineProfile:
     def _tp_comm_time(self, tokens: int) -> float:
         if self.tp == 1:
             return 0.0
-        link_gbs = INTERCONNECT_GBS.get(self.gpu.name, self.gpu.pcie_gbs)
+        link_gbs = self.gpu.interconnect_gbs or self.gpu.pcie_gbs
         # Ring all-reduce moves 2(tp-1)/tp of the activation per GPU; two per layer.
         size = tokens * self.model.hidden_size * self.model.dtype_bytes
         per_allreduce = ALLREDUCE_LATENCY_S + size * 2 * (self.tp - 1) / self.tp / (link_gbs * 1e9)
@@ -344,12 +344,10 @@ def get_profile(
     sequence (vLLM refuses to start otherwise); failing that, the smallest one with any KV
     cache at all."""
     name = model if isinstance(model, str) else model.name
-    measured = _MEASURED.get((gpu_type, name))
+    measured = _MEASURED.get((gpu_type, name)) or _MEASURED.get((canonical_gpu(gpu_type), name))
     if measured is not None and tp in (None, measured.tp) and not overrides:
         return measured
-    if gpu_type not in GPUS:
-        raise KeyError(f"unknown GPU type {gpu_type!r}; known: {sorted(GPUS)}")
-    gpu = GPUS[gpu_type]
+    gpu = gpu_spec(gpu_type)  # KeyError naming the known types
     spec = resolve_model(model) if isinstance(model, str) else model
     batched_tokens, num_seqs = vllm_batch_defaults(gpu)
     overrides.setdefault("max_num_batched_tokens", batched_tokens)
@@ -395,6 +393,11 @@ def profile_from_dict(data: dict[str, Any]) -> EngineProfile:
         raise ValueError(f"unknown engine profile fields: {sorted(unknown)}")
     values = dict(data)
     gpu, model = values.pop("gpu"), values.pop("model")
-    gpu_spec = GPUS[gpu] if isinstance(gpu, str) else GPUSpec(**gpu)
+    if isinstance(gpu, dict) and "interconnect_gbs" not in gpu:
+        # written before the GPU table had the field: the link is the table's, as it was then
+        # (a hard-coded NVLink table), or PCIe for a GPU the table does not know
+        table = GPUS.get(canonical_gpu(str(gpu.get("name"))))
+        gpu = {**gpu, "interconnect_gbs": table.interconnect_gbs if table else None}
+    gpu_figures = gpu_spec(gpu) if isinstance(gpu, str) else GPUSpec(**gpu)
     model_spec = MODELS[model] if isinstance(model, str) else ModelSpec(**model)
-    return EngineProfile(gpu=gpu_spec, model=model_spec, **values)
+    return EngineProfile(gpu=gpu_figures, model=model_spec, **values)

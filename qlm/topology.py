@@ -13,6 +13,7 @@
                                                     pulls, which are worthless once stale
         "agent.<id>"    ──► qlm.agent.<id> (exclusive, auto-delete): dispatches to that agent
     results ──► default exchange, routing key = the request's reply_to
+    qlm.models (fanout) ──► each gateway's exclusive queue: the coordinator's served models
 
 Sharding exists because one consumer can hold at most 65,535 unacked deliveries (AMQP's
 prefetch is 16 bits) and the coordinator keeps every queued request unacked until its result is
@@ -37,6 +38,12 @@ COORDINATOR_ROUTING_KEY = "coordinator"
 # latency) at the mercy of the disk.
 LIVE_QUEUE = "qlm.control.live"
 LIVE_ROUTING_KEY = "coordinator.live"
+
+# The coordinator's list of served models (control.ServedModels), to every gateway: a fanout
+# exchange, each gateway's exclusive queue bound to it. Transient messages: a stale list is
+# worthless, the next one comes within seconds.
+MODELS_EXCHANGE = "qlm.models"
+SERVED_MODELS_INTERVAL_S = 1.0
 
 # Headers the coordinator adds when it dead-letters a message itself.
 REASON_HEADER = "x-qlm-error-code"
@@ -118,3 +125,10 @@ async def declare_agent_queue(channel: AbstractChannel, agent_id: str) -> Abstra
     q = await channel.declare_queue(agent_queue(agent_id), exclusive=True, auto_delete=True)
     await q.bind(control, routing_key=agent_routing_key(agent_id))
     return q
+
+
+async def declare_models_exchange(channel: AbstractChannel) -> AbstractExchange:
+    """Idempotent; both the coordinator and the gateways declare it, whichever starts first."""
+    return await channel.declare_exchange(
+        MODELS_EXCHANGE, aio_pika.ExchangeType.FANOUT, durable=True
+    )

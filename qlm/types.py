@@ -264,6 +264,8 @@ class ErrorCode(StrEnum):
     BODY_TOO_LARGE = "body_too_large"
     SCHEMA_VIOLATION = "schema_violation"
     UNKNOWN_MODEL = "unknown_model"
+    # a catalog model no live agent serves (after the coordinator's hold, if one is set)
+    MODEL_NOT_SERVED = "model_not_served"
     MAX_TOKENS_OUT_OF_RANGE = "max_tokens_out_of_range"
     PROMPT_TOO_LONG = "prompt_too_long"
     OVERLOADED = "overloaded"

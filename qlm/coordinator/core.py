@@ -452,6 +452,24 @@ class CoordinatorCore:
         )
         return "stopping", tracked, order
 
+    def served_models(self) -> dict[str, list[InstanceState]]:
+        """Model -> the live instances that serve it (draining and lost ones take no work)."""
+        served: dict[str, list[InstanceState]] = {}
+        for inst in self._live():
+            for model in inst.info.models:
+                served.setdefault(model, []).append(inst)
+        return served
+
+    def withdraw(self, request_id: str) -> TrackedRequest | None:
+        """Take a waiting (queued or held) request out of every queue to answer it with an
+        error (its model is not served); None when it is not waiting any more."""
+        tracked = self.requests.get(request_id)
+        if tracked is None or tracked.state not in (TrackState.QUEUED, TrackState.HELD):
+            return None
+        self._unqueue(tracked)
+        tracked.state = TrackState.ANSWERING
+        return tracked
+
     def end_cancelled(self, tracked: TrackedRequest) -> bool:
         """A cancelled request that was running has stopped (or lost its instance): take it
         out of every queue and running set, ready to be answered. False if already answered."""

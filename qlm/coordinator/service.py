@@ -21,6 +21,7 @@ import aio_pika
 import structlog
 from aio_pika.abc import (
     AbstractChannel,
+    AbstractExchange,
     AbstractIncomingMessage,
     AbstractRobustConnection,
 )
@@ -42,6 +43,8 @@ from qlm.control import (
     Heartbeat,
     ModelPlan,
     Pull,
+    ServedModel,
+    ServedModels,
     to_coordinator_adapter,
 )
 from qlm.coordinator.core import (
@@ -70,9 +73,11 @@ from qlm.topology import (
     CONTROL_EXCHANGE,
     REASON_HEADER,
     REASON_TEXT_HEADER,
+    SERVED_MODELS_INTERVAL_S,
     Topology,
     agent_queue,
     agent_routing_key,
+    declare_models_exchange,
     declare_topology,
 )
 from qlm.types import (
@@ -135,8 +140,25 @@ class Coordinator:
         batch: BatchTier | None = None,
         identity: ProducerIdentity | None = None,
         answer_retention_s: float = 7 * 86400.0,
+        unserved_model_hold_s: float | None = None,
+        unserved_model_grace_s: float | None = None,
     ) -> None:
         self.amqp_url = amqp_url
+        # A request for a model no live instance serves: refused `model_not_served` after this
+        # hold (0: at once). None turns the rule off: such requests wait in the queue, as a
+        # library user embedding the coordinator may want; `qlm coordinator` sets 0.
+        self.unserved_model_hold_s = unserved_model_hold_s
+        # Agents register with their first heartbeat after this coordinator becomes active:
+        # until then no model looks served, so the rule waits this long from then.
+        self.unserved_model_grace_s = (
+            heartbeat_timeout_s if unserved_model_grace_s is None else unserved_model_grace_s
+        )
+        # Active from its first delivery, not from start(): a standby starts long before it
+        # takes over (single active consumer) and then knows no instance yet either.
+        self._active_since: float | None = None
+        self._held_unserved: dict[str, float] = {}  # request id -> when its hold ends (unix s)
+        self._models_exchange: AbstractExchange | None = None
+        self._announced: tuple[list[ServedModel], float] | None = None  # what and when
         self.identity = identity or ProducerIdentity()
         # how long the durable answer record keeps a request's reply (redeliveries and
         # producer re-publishes within it are answered from the record, never run again)
@@ -198,6 +220,7 @@ class Coordinator:
         # queue is gone then); the consumers' passive declarations wait for it.
         setup = await self._conn.channel()
         self._topology = await declare_topology(setup, self.shards, self.delivery_limit)
+        self._models_exchange = await declare_models_exchange(setup)
         ctl_ch = await self._conn.channel()
         await ctl_ch.set_qos(prefetch_count=2000)
         self._held += [setup, ctl_ch]
@@ -329,6 +352,8 @@ class Coordinator:
         now = time.time()
         if self.received_at_first is None:
             self.received_at_first = now
+        if self._active_since is None:
+            self._active_since = now
         try:
             # first the envelope: a property that is not UTF-8 (decoded tolerantly, see
             # qlm.amqp) is refused before anything reads it
@@ -372,6 +397,12 @@ class Coordinator:
             except GraphError as exc:
                 err = InvalidRequest(ErrorCode.INVALID_GRAPH, str(exc), req.request_id)
                 await self._reject(message, err, now)
+                return
+        hold_until = None
+        if req.request_id not in self.core.requests:
+            hold_until = self._unserved_hold_until(req.model, now)
+            if hold_until is not None and hold_until <= now:
+                await self._reject(message, self._not_served(req.model, req.request_id), now)
                 return
         tracked, outcome = self.core.admit(
             req,
@@ -419,6 +450,8 @@ class Coordinator:
             await self._reject(message, err, now)
             return
         self.ingested += 1
+        if hold_until is not None and outcome == "new":
+            self._held_unserved[req.request_id] = hold_until
         orphan = self._orphans.pop(req.request_id, None) if outcome == "new" else None
         if orphan is not None:  # its result came first (a takeover): answer it now
             self._spawn(self._complete(orphan[0], orphan[1]))
@@ -653,6 +686,8 @@ class Coordinator:
             await message.reject(requeue=False)
             return
         now = time.time()
+        if self._active_since is None:
+            self._active_since = now
         if isinstance(ctl, Heartbeat):
             for iid in self.core.on_heartbeat(ctl, now):
                 self._record_instance(iid, "alive", now)
@@ -785,6 +820,113 @@ class Coordinator:
             error_code=ErrorCode.ENGINE_ERROR.value,
         )
         self.metrics.observe_outcome("failed")
+
+    # ------------------------------------------------------------------ unserved models
+    def _unserved_hold_until(self, model: str, now: float) -> float | None:
+        """None when ``model`` is served (or the rule is off); else until when a request for
+        it may wait for an agent: the hold, and at least the grace after this start."""
+        if self.unserved_model_hold_s is None or model in self.core.served_models():
+            return None
+        active = now if self._active_since is None else self._active_since
+        return max(now + self.unserved_model_hold_s, active + self.unserved_model_grace_s)
+
+    def _not_served(self, model: str, request_id: str | None) -> InvalidRequest:
+        served = sorted(self.core.served_models())
+        waited = f" within {self.unserved_model_hold_s:g} s" if self.unserved_model_hold_s else ""
+        return InvalidRequest(
+            ErrorCode.MODEL_NOT_SERVED,
+            f"no live agent serves model {model!r}{waited}; served now: "
+            f"{', '.join(served) or 'none'}",
+            request_id,
+            {"model": model, "served": served},
+        )
+
+    def served_model_list(self) -> list[ServedModel]:
+        """The catalog models live instances serve, with the context the coordinator accepts
+        (a model an agent offers that the catalog lacks is refused `unknown_model`: left out)."""
+        return [
+            ServedModel(
+                id=model,
+                max_model_len=self.catalog.get(model).max_context,
+                instances=len(instances),
+            )
+            for model, instances in sorted(self.core.served_models().items())
+            if model in self.catalog
+        ]
+
+    def _announce_models(self, now: float) -> None:
+        """Tell the gateways what is served: on a change, else every SERVED_MODELS_INTERVAL_S.
+        Not while standing by, nor in the grace after becoming active, while agents are still
+        registering: the gateways keep the last list (of the coordinator before this one)
+        until it goes stale."""
+        if (
+            self._models_exchange is None
+            or self._active_since is None  # a standby: the active coordinator announces
+            or now < self._active_since + self.unserved_model_grace_s
+        ):
+            return
+        models = self.served_model_list()
+        if self._announced is not None:
+            last, at = self._announced
+            if last == models and now - at < SERVED_MODELS_INTERVAL_S:
+                return
+        self._announced = (models, now)
+        msg = ServedModels(sent_at=now, valid_s=SERVED_MODELS_INTERVAL_S * 5, models=models)
+        exchange = self._models_exchange
+
+        async def send() -> None:
+            try:
+                await exchange.publish(
+                    aio_pika.Message(msg.model_dump_json().encode(), content_type=CONTENT_TYPE),
+                    routing_key="",
+                    mandatory=False,
+                )
+            except Exception as exc:  # the next tick sends it again
+                log.warning("served_models_not_sent", error=repr(exc)[:200])
+
+        self._spawn(send())
+
+    def _expire_unserved(self, now: float) -> None:
+        """Held requests whose model is still not served when their hold ends are answered
+        ``model_not_served``; those whose model came up (or that left the queue) are let be."""
+        if not self._held_unserved:
+            return
+        served = self.core.served_models()
+        for rid, until in list(self._held_unserved.items()):
+            t = self.core.requests.get(rid)
+            if t is None or t.request.model in served or until > now:
+                if t is None or t.request.model in served:
+                    del self._held_unserved[rid]
+                continue
+            del self._held_unserved[rid]
+            withdrawn = self.core.withdraw(rid)
+            if withdrawn is not None:
+                self._spawn(self._answer_not_served(withdrawn))
+
+    async def _answer_not_served(self, t: TrackedRequest) -> None:
+        bad = self._not_served(t.request.model, t.request_id)
+        err = ErrorMessage(
+            request_id=t.request_id, code=bad.code, message=bad.message, details=bad.details
+        )
+        log.warning("request_not_served", request_id=t.request_id, model=t.request.model)
+        self.core.collective.finished(t.request, 0, time.time())
+        if not await self._answer(t, err, None):
+            return
+        self.store.record_finished(
+            t.request_id,
+            RequestStatus.REJECTED,
+            time.time(),
+            instance_id=None,
+            attempts=t.attempts,
+            started_at=None,
+            first_token_at=None,
+            finished_at=None,
+            output_tokens=0,
+            slo_met=False,
+            error_code=bad.code.value,
+        )
+        self.metrics.observe_outcome("rejected")
+        self._pump()
 
     # ------------------------------------------------------------------ cancels
     async def _on_cancel(self, cancel: CancelMessage, message: AbstractIncomingMessage) -> None:
@@ -1043,6 +1185,8 @@ class Coordinator:
                     )
                     self.metrics.observe_requeue("heartbeat_timeout")
             await self._expire_orphans()
+            self._expire_unserved(now)
+            self._announce_models(now)
             if time.monotonic() - self._last_prune > ANSWER_PRUNE_INTERVAL_S:
                 self._last_prune = time.monotonic()
                 self._spawn(self._prune_answers())

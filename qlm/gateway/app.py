@@ -40,6 +40,7 @@ from qlm.admin import AdminServer, serve_admin
 from qlm.catalog import ModelCatalog, ModelSpec, UnknownModelError
 from qlm.client import MalformedReply, QlmClient, Reply
 from qlm.gateway.openai_types import (
+    SERVICE_TIER_CLASSES,
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
@@ -58,6 +59,7 @@ from qlm.gateway.openai_types import (
     QlmInfo,
     UsageOut,
 )
+from qlm.gateway.served import ServedModelsWatcher
 from qlm.types import (
     SLO,
     ChatMessage,
@@ -75,6 +77,9 @@ _B64TOKEN = re.compile(r"[A-Za-z0-9\-._~+/]+=*")
 _MIN_KEY_CHARS = 16
 _CHALLENGE = 'Bearer realm="qlm-gateway"'
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+# How long /v1/models waits for the coordinator's first list of served models (it sends one
+# every second once its start grace, a heartbeat timeout, is over).
+_SERVED_WAIT_S = 5.0
 
 
 # --- configuration -----------------------------------------------------------------------------
@@ -96,6 +101,9 @@ class GatewaySettings(BaseSettings):
     default_slo_ms: int = Field(default=60_000, gt=0)
     # Optional TTFT deadline of a call that names no SLO at all.
     default_ttft_ms: int | None = Field(default=None, gt=0)
+    # SLO of a `service_tier: "flex"` call that names none: long, so that the batch tier holds
+    # it for spare capacity (QLM_BATCH_MIN_SLACK_S, 1 h by default).
+    flex_slo_ms: int = Field(default=86_400_000, gt=0, le=7 * 24 * 3_600_000)
     # max_tokens of a chat call that sends none (capped at the model's max_output_tokens).
     default_max_tokens: int = Field(default=256, ge=1)
     # How long one HTTP call waits for its reply before a 504. qlm serves late work anyway.
@@ -233,6 +241,8 @@ _QLM_ERRORS: dict[ErrorCode, tuple[int, str, str]] = {
     # OpenAI's code for the same condition, so clients that special-case it keep working.
     ErrorCode.PROMPT_TOO_LONG: (400, "invalid_request_error", "context_length_exceeded"),
     ErrorCode.UNKNOWN_MODEL: (404, "invalid_request_error", "model_not_found"),
+    # a catalog model no live agent serves: to the client as absent as an unknown one
+    ErrorCode.MODEL_NOT_SERVED: (404, "invalid_request_error", "model_not_found"),
     ErrorCode.OVERLOADED: (429, "rate_limit_error", "overloaded"),
     ErrorCode.ENGINE_ERROR: (500, "server_error", "engine_error"),
     ErrorCode.DELIVERY_LIMIT: (500, "server_error", "delivery_limit"),
@@ -241,6 +251,7 @@ _QLM_ERRORS: dict[ErrorCode, tuple[int, str, str]] = {
 _QLM_PARAMS: dict[ErrorCode, str] = {
     ErrorCode.MAX_TOKENS_OUT_OF_RANGE: "max_tokens",
     ErrorCode.UNKNOWN_MODEL: "model",
+    ErrorCode.MODEL_NOT_SERVED: "model",
 }
 
 
@@ -345,11 +356,33 @@ class _Gateway:
         keys: ApiKeys,
         catalog: ModelCatalog,
         settings: GatewaySettings,
+        served: ServedModelsWatcher | None = None,
     ) -> None:
         self.client = client
         self.keys = keys
         self.catalog = catalog
         self.settings = settings
+        self.served = served
+
+    async def model_cards(self) -> list[ModelCard]:
+        """``/v1/models``: what live agents serve, as the coordinator last announced it. A bare
+        app without announcements (``served`` None) lists the catalog."""
+        if self.served is None:
+            return [
+                ModelCard(id=name, max_model_len=self.catalog.get(name).max_context)
+                for name in self.catalog.names()
+            ]
+        served = await self.served.wait(_SERVED_WAIT_S)
+        if served is None:
+            raise GatewayError(
+                503,
+                "no coordinator has reported the models it serves (none is running, or one "
+                "has just started); retry",
+                type="server_error",
+                code="service_unavailable",
+                headers={"Retry-After": str(self.settings.retry_after_s)},
+            )
+        return [ModelCard(id=m.id, max_model_len=m.max_model_len) for m in served.models]
 
     # ---- auth, model, SLO
 
@@ -392,8 +425,13 @@ class _Gateway:
         ttft = body.qlm_ttft_ms or _header_int(request, "x-qlm-ttft-ms")
         tbt = body.qlm_tbt_ms or _header_int(request, "x-qlm-tbt-ms")
         slo_class = body.qlm_slo_class or request.headers.get("x-qlm-slo-class")
+        if slo_class is None and body.service_tier is not None:
+            slo_class = SERVICE_TIER_CLASSES[body.service_tier]
         if e2e is None and ttft is None:
-            e2e, ttft = self.settings.default_slo_ms, self.settings.default_ttft_ms
+            if body.service_tier == "flex":
+                e2e = self.settings.flex_slo_ms
+            else:
+                e2e, ttft = self.settings.default_slo_ms, self.settings.default_ttft_ms
         try:
             return SLO(e2e_ms=e2e, ttft_ms=ttft, tbt_ms=tbt, slo_class=slo_class)
         except ValidationError as exc:
@@ -402,6 +440,10 @@ class _Gateway:
     def priority(self, request: Request, body: CompletionRequest | ChatCompletionRequest) -> int:
         if body.qlm_priority is not None:
             return body.qlm_priority
+        if body.priority is not None:
+            # vLLM: lower is earlier, default 0; qlm: 0-9, higher is more urgent, default 0.
+            # So -priority, clamped: vLLM's urgent negatives rise, its deferrals stay at 0.
+            return min(9, max(0, -body.priority))
         p = _header_int(request, "x-qlm-priority")
         if p is not None and not 0 <= p <= 9:
             raise GatewayError(400, "header x-qlm-priority must be 0-9", param="x-qlm-priority")
@@ -696,10 +738,12 @@ def create_gateway_app(
     keys: ApiKeys,
     catalog: ModelCatalog,
     settings: GatewaySettings | None = None,
+    served: ServedModelsWatcher | None = None,
 ) -> FastAPI:
     """The gateway's ASGI app. ``client`` must be connected; its lifetime is the caller's
-    (one client per process, shared by every call)."""
-    gw = _Gateway(client, keys, catalog, settings or GatewaySettings())
+    (one client per process, shared by every call). ``served`` (started) gives ``/v1/models``
+    the models live agents serve; without it the catalog is listed."""
+    gw = _Gateway(client, keys, catalog, settings or GatewaySettings(), served)
     app = FastAPI(
         title="qlm gateway",
         summary="OpenAI-compatible front door onto qlm's durable queue",
@@ -757,14 +801,23 @@ def create_gateway_app(
     @app.get("/v1/models")
     async def list_models(request: Request) -> Response:
         gw.tenant(request)
-        cards = [ModelCard(id=name) for name in catalog.names()]
+        cards = await gw.model_cards()
         return Response(ModelList(data=cards).model_dump_json(), media_type="application/json")
 
     @app.get("/v1/models/{model:path}")
     async def get_model(request: Request, model: str) -> Response:
         gw.tenant(request)
-        gw.spec(model)
-        return Response(ModelCard(id=model).model_dump_json(), media_type="application/json")
+        gw.spec(model)  # not in the catalog: 404
+        card = next((c for c in await gw.model_cards() if c.id == model), None)
+        if card is None:
+            raise GatewayError(
+                404,
+                f"the model {model!r} is not served by any live agent now; GET /v1/models "
+                "lists the models served",
+                code="model_not_found",
+                param="model",
+            )
+        return Response(card.model_dump_json(), media_type="application/json")
 
     @app.get("/healthz")
     async def healthz() -> dict[str, Any]:
@@ -799,6 +852,7 @@ class GatewayServer:
 
     http: AdminServer
     client: GatewayClient
+    served: ServedModelsWatcher | None = None
 
     @property
     def url(self) -> str:
@@ -807,6 +861,8 @@ class GatewayServer:
     async def stop(self) -> None:
         await self.http.stop()
         await self.client.close()
+        if self.served is not None:
+            await self.served.close()
 
 
 async def serve_gateway(
@@ -823,8 +879,10 @@ async def serve_gateway(
     s = settings or GatewaySettings()
     client = GatewayClient(amqp_url)
     await client.connect()
+    served = ServedModelsWatcher(amqp_url)
     try:
-        api = create_gateway_app(client, keys=keys, catalog=catalog, settings=s)
+        await served.start()
+        api = create_gateway_app(client, keys=keys, catalog=catalog, settings=s, served=served)
         http = await serve_admin(
             api,
             host or s.host,
@@ -834,6 +892,7 @@ async def serve_gateway(
         )
     except BaseException:
         await client.close()
+        await served.close()
         raise
     log.info("gateway_listening", host=http.host, port=http.port, api_keys=len(keys))
-    return GatewayServer(http, client)
+    return GatewayServer(http, client, served)

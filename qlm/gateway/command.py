@@ -11,6 +11,7 @@ import typer
 if TYPE_CHECKING:  # the command imports the app lazily: `qlm --help` stays fast
     from pydantic_settings import BaseSettings
 
+    from qlm.catalog import ModelCatalog
     from qlm.gateway.app import ApiKeys, GatewaySettings
 
 _S = TypeVar("_S", bound="BaseSettings")
@@ -50,6 +51,7 @@ def register(app: typer.Typer) -> None:
         from qlm.config import Settings
         from qlm.gateway.app import ApiKeys, GatewaySettings
         from qlm.logging import configure_logging
+        from qlm.model_config import ModelConfigError, load_catalog, split_model_configs
 
         s = _load(Settings, "QLM_")
         gs = _load(GatewaySettings, "QLM_GATEWAY_")
@@ -59,23 +61,26 @@ def register(app: typer.Typer) -> None:
         except ValueError as exc:
             typer.echo(f"qlm: {exc}", err=True)
             raise typer.Exit(2) from None
-        asyncio.run(_run(s.amqp_url, s.models_file, keys, gs, host, port))
+        try:
+            # The coordinator's catalog, read the same way (QLM_MODELS_FILE, QLM_MODEL_CONFIGS),
+            # so the gateway knows every model the coordinator accepts.
+            catalog = load_catalog(s.models_file, split_model_configs(s.model_configs))
+        except ModelConfigError as exc:
+            typer.echo(f"qlm: {exc}", err=True)
+            raise typer.Exit(2) from None
+        asyncio.run(_run(s.amqp_url, catalog, keys, gs, host, port))
 
 
 async def _run(
     amqp_url: str,
-    models_file: str | None,
+    catalog: ModelCatalog,
     keys: ApiKeys,
     settings: GatewaySettings,
     host: str | None,
     port: int | None,
 ) -> None:
-    from qlm.catalog import ModelCatalog
     from qlm.gateway.app import serve_gateway
 
-    # The coordinator's catalog, read the same way, so a model the gateway lists is one the
-    # coordinator accepts.
-    catalog = ModelCatalog.from_file(models_file) if models_file else ModelCatalog()
     server = await serve_gateway(
         amqp_url, keys=keys, catalog=catalog, settings=settings, host=host, port=port
     )

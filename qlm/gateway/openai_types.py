@@ -28,6 +28,14 @@ from pydantic import (
 _MAX_STOPS = 4
 _SLO_MS = Annotated[int, Field(gt=0, le=7 * 24 * 3_600_000)]
 
+# OpenAI's service_tier -> qlm SLO class (docs/gateway.md, "Priority and service tier"): the
+# standard tiers are interactive work, flex is OpenAI's cheaper, slower tier: qlm's batch class.
+SERVICE_TIER_CLASSES: dict[str, str] = {
+    "auto": "interactive",
+    "default": "interactive",
+    "flex": "batch",
+}
+
 # OpenAI fields qlm cannot honour, and the values of each that ask for nothing qlm lacks.
 _ACCEPTED: dict[str, tuple[Any, ...]] = {
     "n": (None, 1),
@@ -78,6 +86,9 @@ class _Request(BaseModel):
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
     logprobs: Any = None
+    # vLLM's scheduling priority: any integer, lower is served earlier, default 0
+    priority: int | None = Field(default=None, ge=-(2**31), le=2**31 - 1)
+    service_tier: str | None = None
 
     # qlm extensions (extra_body): the SLO and scheduling hints. Header equivalents exist
     # (x-qlm-slo-ms, ...); a body field wins over its header.
@@ -93,6 +104,14 @@ class _Request(BaseModel):
     def _stops(cls, value: str | list[str] | None) -> str | list[str] | None:
         if isinstance(value, list) and len(value) > _MAX_STOPS:
             raise ValueError(f"at most {_MAX_STOPS} stop sequences")
+        return value
+
+    @field_validator("service_tier")
+    @classmethod
+    def _known_tier(cls, value: str | None) -> str | None:
+        if value is not None and value not in SERVICE_TIER_CLASSES:
+            shown = ", ".join(SERVICE_TIER_CLASSES)
+            raise ValueError(f"{value!r} is not supported by qlm (send {shown}, or leave it out)")
         return value
 
     _unsupported = field_validator(
@@ -317,6 +336,9 @@ class ModelCard(_Out):
     object: Literal["model"] = "model"
     created: int = 0
     owned_by: str = "qlm"
+    # vLLM's extension: prompt + output tokens the model accepts (here: the coordinator's
+    # limit for it, the catalog's max_context)
+    max_model_len: int | None = None
 
 
 class ModelList(_Out):

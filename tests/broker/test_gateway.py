@@ -121,14 +121,50 @@ async def _record(
 
 @pytest.mark.broker
 @pytest.mark.asyncio(loop_scope="module")
-async def test_models_lists_the_catalog(stack: Stack) -> None:
+async def test_models_lists_what_live_agents_serve(stack: Stack) -> None:
     async with stack.openai() as api:
         models = await api.models.list()
-        assert sorted(m.id for m in models.data) == ModelCatalog().names()
+        # the agent serves mistral-7b only; the catalog's other models are not listed
+        assert [m.id for m in models.data] == [MODEL]
+        card = models.data[0]
+        assert card.object == "model" and (card.model_extra or {})["max_model_len"] == 8192
         assert (await api.models.retrieve(MODEL)).id == MODEL
+        for absent in ("gpt-4o", "vicuna-13b"):  # unknown; in the catalog but not served
+            with pytest.raises(openai.NotFoundError) as err:
+                await api.models.retrieve(absent)
+            assert err.value.code == "model_not_found"
+        assert "not served by any live agent" in err.value.message
+
+
+@pytest.mark.broker
+@pytest.mark.asyncio(loop_scope="module")
+async def test_unserved_model_is_404_at_once(stack: Stack) -> None:
+    started = time.monotonic()
+    async with stack.openai() as api:
         with pytest.raises(openai.NotFoundError) as err:
-            await api.models.retrieve("gpt-4o")
-    assert err.value.code == "model_not_found"
+            await api.chat.completions.create(
+                model="vicuna-13b", messages=[{"role": "user", "content": "hi"}], max_tokens=2
+            )
+    assert time.monotonic() - started < 5  # not the gateway's timeout: the coordinator's reply
+    assert err.value.code == "model_not_found" and err.value.param == "model"
+    assert "no live agent serves model 'vicuna-13b'" in err.value.message
+
+
+@pytest.mark.broker
+@pytest.mark.asyncio(loop_scope="module")
+async def test_a_bare_app_without_announcements_lists_the_catalog(stack: Stack) -> None:
+    client = GatewayClient(stack.amqp_url)
+    await client.connect()
+    app = create_gateway_app(client, keys=ApiKeys({KEY: TENANT}), catalog=ModelCatalog())
+    server = await serve_admin(app, "127.0.0.1", 0)
+    try:
+        base = f"http://127.0.0.1:{server.port}/v1"
+        async with AsyncOpenAI(base_url=base, api_key=KEY, max_retries=0) as api:
+            models = await api.models.list()
+        assert sorted(m.id for m in models.data) == ModelCatalog().names()
+    finally:
+        await server.stop()
+        await client.close()
 
 
 @pytest.mark.broker
@@ -192,6 +228,45 @@ async def test_chat_with_slo_from_header_and_body(stack: Stack) -> None:
     assert record["priority"] == 3
     qlm_info = (resp.model_extra or {})["qlm"]
     assert qlm_info["tbt_ms"] is not None and qlm_info["slo_met"]  # 4 tokens, 5 s apart at most
+
+
+@pytest.mark.broker
+@pytest.mark.asyncio(loop_scope="module")
+async def test_vllm_priority_and_openai_service_tier_map_to_qlm(stack: Stack) -> None:
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    cases: list[tuple[dict[str, object], int, str | None, float]] = [
+        ({"priority": -5}, 5, None, 30.0),  # vLLM: lower is earlier; qlm: higher is
+        ({"priority": -50}, 9, None, 30.0),  # clamped to qlm's 0-9
+        ({"priority": 7}, 0, None, 30.0),  # deferred in vLLM: qlm's lowest, 0
+        ({"priority": -5, "qlm_priority": 2}, 2, None, 30.0),  # qlm's own field wins
+        ({"service_tier": "auto"}, 0, "interactive", 30.0),
+        ({"service_tier": "default", "qlm_slo_class": "mine"}, 0, "mine", 30.0),
+        ({"service_tier": "flex"}, 0, "batch", 86_400.0),  # a long deadline: the batch tier
+        ({"service_tier": "flex", "qlm_slo_ms": 90_000}, 0, "batch", 90.0),
+    ]
+    async with stack.openai() as api:
+        for extra, priority, slo_class, deadline_s in cases:
+            resp = await api.chat.completions.create(**chat, extra_body=extra)
+            rid = (resp.model_extra or {})["qlm"]["request_id"]
+            record = await _record(stack.cluster.database_url, rid)
+            assert (record["priority"], record["slo_class"]) == (priority, slo_class), extra
+            assert record["deadline"] - record["submitted_at"] == pytest.approx(deadline_s), extra
+    auth = {"Authorization": f"Bearer {KEY}"}
+    async with stack.http() as http:
+        for bad, param in (
+            ({"service_tier": "scale"}, "service_tier"),
+            ({"service_tier": "priority"}, "service_tier"),
+            ({"priority": "high"}, "priority"),
+            ({"priority": 2**40}, "priority"),
+        ):
+            r = await http.post("/v1/chat/completions", json={**chat, **bad}, headers=auth)
+            assert r.status_code == 400, (bad, r.text)
+            error = _assert_openai_error(r.json())
+            assert error["param"] == param, error
+        r = await http.post(
+            "/v1/chat/completions", json={**chat, "service_tier": "scale"}, headers=auth
+        )
+        assert "'scale' is not supported by qlm (send auto, default, flex" in r.text
 
 
 @pytest.mark.broker

@@ -25,6 +25,8 @@ for name in ("agents", "planner", "migrations"):
 import qlm.agents.agent, qlm.planner, qlm.store
 from qlm.cli import app
 assert qlm.store.migrations_dir().is_relative_to(sys.argv[1])
+from qlm.catalog import GPUS  # the GPU table is package data (qlm/data/gpus.yaml)
+assert {"H200", "B200", "L40S"} <= set(GPUS), sorted(GPUS)
 qlm.store.migrate("sqlite+aiosqlite:///" + sys.argv[2])
 print("ok")
 """
@@ -58,6 +60,7 @@ def test_the_wheel_holds_one_namespace_and_migrates(tmp_path: Path) -> None:
     }
     assert "qlm/migrations/alembic.ini" in names and "qlm/agents/agent.py" in names
     assert any(n.startswith("qlm/tooling/simulator/scenarios/") for n in names)
+    assert "qlm/data/gpus.yaml" in names
     # "installed": the wheel unpacked, imported with no site processing (so this checkout's
     # editable install is not seen), its dependencies from this environment's site-packages
     target = tmp_path / "site"

@@ -74,7 +74,7 @@ def _sweep(sweep: dict[str, Any]) -> Callable[[dict[str, Any]], None]:
 
 BAD: list[tuple[str, Callable[[dict[str, Any]], None], str]] = [
     # (the field path the message must name, the edit, a fragment of the message)
-    ("pools.0.gpu", _set("pools.0.gpu", "B200"), "unknown GPU type 'B200'; known: ['A10'"),
+    ("pools.0.gpu", _set("pools.0.gpu", "Z9000"), "unknown GPU type 'Z9000'; known: ['A10'"),
     ("pools.0.count", _set("pools.0.count", -1), "greater than or equal to 0"),
     ("pools", _set("pools.0.count", 0), "at least one instance"),
     ("pools", _set("pools", []), "at least 1 item"),
@@ -203,7 +203,7 @@ def test_base_scenario_is_valid_and_constructor_raises_scenario_error() -> None:
     assert spec.policies == ["qlm", "edf", "fcfs", "shepherd"]
     assert spec.options.lso_policies == ["qlm"]
     data = base()
-    data["pools"][0]["gpu"] = "B200"
+    data["pools"][0]["gpu"] = "Z9000"
     with pytest.raises(ScenarioError, match=r"pools\.0\.gpu: unknown GPU type"):
         ScenarioSpec(**data)
 

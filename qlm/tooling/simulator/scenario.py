@@ -22,7 +22,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from qlm.catalog import GPUS, MODELS, ModelSpec, resolve_model
+from qlm.catalog import GPUS, MODELS, ModelSpec, canonical_gpu, resolve_model
 from qlm.engine_model import (
     EngineProfile,
     InsufficientMemoryError,
@@ -109,9 +109,9 @@ class PoolSpec(_Strict):
     @field_validator("gpu")
     @classmethod
     def _known_gpu(cls, value: str) -> str:
-        if value not in GPUS:
+        if canonical_gpu(value) not in GPUS:
             raise ValueError(f"unknown GPU type {value!r}; known: {sorted(GPUS)}")
-        return value
+        return canonical_gpu(value)  # an alias (H100) names the table's entry (H100-80GB)
 
     @property
     def instance_prefix(self) -> str:
