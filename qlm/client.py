@@ -482,7 +482,7 @@ class QlmClient:
             self.stray_chunks += 1
             log.debug("token_chunk_invalid", correlation_id=cid, error=str(exc)[:200])
             return
-        if chunk.request_id != self._request_ids.get(cid, stream.request_id):
+        if chunk.request_id != stream.request_id:
             self.stray_chunks += 1
             log.debug("token_chunk_for_other_request", correlation_id=cid)
             return

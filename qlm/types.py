@@ -332,7 +332,7 @@ class CancelMessage(_Strict):
 
 
 def protocol_json_schema() -> dict[str, Any]:
-    """The JSON Schema of protocol v1 (request, result, error, token chunk), as committed in the repo."""
+    """The JSON Schema of protocol v1 (request, result, error, token chunk), as committed."""
     from pydantic.json_schema import models_json_schema
 
     _, defs = models_json_schema(

@@ -312,9 +312,7 @@ async def send_chunk(
     """Publish a token chunk the way an agent does: transient, type "tokens"."""
     body = chunk if isinstance(chunk, bytes) else chunk.model_dump_json().encode()
     await channel.default_exchange.publish(
-        aio_pika.Message(
-            body, content_type="application/json", correlation_id=cid, type="tokens"
-        ),
+        aio_pika.Message(body, content_type="application/json", correlation_id=cid, type="tokens"),
         routing_key=reply_to,
     )
 
