@@ -59,8 +59,11 @@ class TokenStreams:
         self.flush_interval_s = flush_interval_s
         self.max_chunk_tokens = max_chunk_tokens
         self._streams: dict[str, _Stream] = {}
-        # chunks cut and waiting for the publisher, in order: (routes, chunk)
+        # chunks cut and waiting for the publisher, in order: (routes, chunk); a stream's
+        # first chunk waits apart and goes ahead of the others' (it is its client's TTFT,
+        # and, being its request's first, it overtakes nothing of its own)
         self._outbox: list[tuple[list[ReplyRoute], TokenChunk]] = []
+        self._first: list[tuple[list[ReplyRoute], TokenChunk]] = []
         self._dirty = asyncio.Event()
         self._urgent = asyncio.Event()
         self._conn: AbstractRobustConnection | None = None
@@ -84,6 +87,7 @@ class TokenStreams:
         self._task = None
         self._streams.clear()
         self._outbox.clear()
+        self._first.clear()
 
     # ---- what the agent tells it
 
@@ -135,7 +139,7 @@ class TokenStreams:
             text="".join(stream.text),
             attempt=stream.attempt,
         )
-        self._outbox.append((stream.routes, chunk))
+        (self._outbox if stream.sent_any else self._first).append((stream.routes, chunk))
         if len(self._outbox) > MAX_OUTBOX:
             del self._outbox[: len(self._outbox) - MAX_OUTBOX]
             self.publish_failures += 1
@@ -156,7 +160,11 @@ class TokenStreams:
                     self._cut(rid, stream)
             outbox, self._outbox = self._outbox, []
             for routes, chunk in outbox:
+                while self._first:
+                    await self._publish(*self._first.pop(0))
                 await self._publish(routes, chunk)
+            while self._first:
+                await self._publish(*self._first.pop(0))
 
     async def _publish(self, routes: list[ReplyRoute], chunk: TokenChunk) -> None:
         body = chunk.model_dump_json().encode()

@@ -62,6 +62,9 @@ _reply_adapter: TypeAdapter[Reply] = TypeAdapter(
 
 # Replies in flight to this client at once; acks are cheap, so a generous window.
 _REPLY_PREFETCH = 1000
+_TOKENS_TYPE = "tokens"  # the AMQP type property of a TokenChunk
+_CHUNK_ACK_EVERY = 64  # token chunks acked at once (multiple), well within the prefetch
+_CHUNK_ACK_DELAY_S = 0.05  # a chunk waits at most this long for its ack
 
 
 class MalformedReply(ValueError):
@@ -126,11 +129,9 @@ class TokenStream:
                 return self._finish(self._reply.result())
             if timeout is not None and timeout <= 0:
                 raise TimeoutError(f"no reply for {self.request_id!r} in time")
-            item = (
-                await self._inbox.get()
-                if timeout is None
-                else await asyncio.wait_for(self._inbox.get(), timeout)
-            )
+            # asyncio.timeout, not wait_for: no task per chunk
+            async with asyncio.timeout(timeout):
+                item = await self._inbox.get()
             if item is not None:
                 self._take(item)
         return self._ready.popleft()
@@ -212,6 +213,10 @@ class QlmClient:
         self._streams: dict[str, TokenStream] = {}
         #: token chunks dropped: for no open stream, or not valid
         self.stray_chunks = 0
+        self._unacked_chunk: AbstractIncomingMessage | None = None
+        self._unacked_chunks = 0
+        self._chunk_ack_timer: asyncio.TimerHandle | None = None
+        self._ack_tasks: set[asyncio.Future[None]] = set()
 
     # --- lifecycle ---------------------------------------------------------------------------
 
@@ -235,6 +240,9 @@ class QlmClient:
         log.debug("client_connected", reply_queue=self.reply_queue_name)
 
     async def close(self) -> None:
+        if self._chunk_ack_timer is not None:
+            self._chunk_ack_timer.cancel()
+            self._chunk_ack_timer = None
         for fut in self._pending.values():
             if not fut.done():
                 fut.cancel()
@@ -444,7 +452,41 @@ class QlmClient:
             self._record(message)
         finally:
             # Recorded in memory either way; a reply we cannot use must not come back forever.
-            await message.ack()
+            if message.type == _TOKENS_TYPE:
+                await self._ack_chunk(message)
+            else:
+                # multiple: the token chunks delivered before it are recorded too (each
+                # delivery's callback records it before its first await, in order)
+                self._unacked_chunk, self._unacked_chunks = None, 0
+                await message.ack(multiple=True)
+
+    async def _ack_chunk(self, message: AbstractIncomingMessage) -> None:
+        """Token chunks are acked in batches (an ack per chunk is a socket write per token
+        batch, which costs more than the chunk itself): every ``_CHUNK_ACK_EVERY``, with
+        the next reply, or after ``_CHUNK_ACK_DELAY_S``."""
+        self._unacked_chunk = message
+        self._unacked_chunks += 1
+        if self._unacked_chunks >= _CHUNK_ACK_EVERY:
+            await self._flush_chunk_acks()
+        elif self._chunk_ack_timer is None:
+            self._chunk_ack_timer = asyncio.get_running_loop().call_later(
+                _CHUNK_ACK_DELAY_S, self._chunk_ack_due
+            )
+
+    def _chunk_ack_due(self) -> None:
+        self._chunk_ack_timer = None
+        task = asyncio.ensure_future(self._flush_chunk_acks())
+        self._ack_tasks.add(task)
+        task.add_done_callback(self._ack_tasks.discard)
+
+    async def _flush_chunk_acks(self) -> None:
+        message, self._unacked_chunk, self._unacked_chunks = self._unacked_chunk, None, 0
+        if message is None:
+            return
+        try:
+            await message.ack(multiple=True)
+        except Exception as exc:  # noqa: BLE001 - e.g. its channel is gone with a reconnect
+            log.debug("token_chunk_ack_failed", error=repr(exc))
 
     def forget(self, correlation_id: str, *, remember: int = 100_000) -> None:
         """Stop tracking a request (its caller gave up: answered, timed out, went away), so a
@@ -489,7 +531,7 @@ class QlmClient:
         stream._feed(chunk)
 
     def _record(self, message: AbstractIncomingMessage) -> None:
-        if message.type == TokenChunk.model_fields["type"].default:
+        if message.type == _TOKENS_TYPE:
             self._on_tokens(message)
             return
         if message.correlation_id in self._forgotten:
