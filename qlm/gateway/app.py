@@ -461,13 +461,7 @@ class _Gateway:
         except Exception as exc:  # noqa: BLE001 - any publish failure: not confirmed, say so
             self.client.forget(rid)
             log.warning("gateway_publish_failed", request_id=rid, error=type(exc).__name__)
-            raise GatewayError(
-                503,
-                "the request could not be queued (message broker unavailable); retry",
-                type="server_error",
-                code="service_unavailable",
-                headers={"Retry-After": str(self.settings.retry_after_s)},
-            ) from None
+            raise self._unavailable() from None
         gone = asyncio.create_task(_until_disconnect(request.receive))
         waiting: set[asyncio.Future[Any]] = {fut, gone}
         try:
