@@ -531,12 +531,33 @@ class _Gateway:
             gone.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await gone
-        try:
-            if first.done():
+        if first.done() and not first.cancelled():
+            try:
                 piece = first.result()
-                assert piece is not None  # a stream's first next() is a piece or raises
-                return stream, piece, deadline
-            first.cancel()
+            except BaseException as exc:
+                stream.close()
+                self.client.forget(rid)
+                if isinstance(exc, StreamError):
+                    log.info("gateway_error_reply", request_id=rid, code=str(exc.error.code))
+                    raise error_from_reply(exc.error, self.settings.retry_after_s) from None
+                if isinstance(exc, MalformedReply):
+                    log.error("gateway_malformed_reply", request_id=rid)
+                    raise GatewayError(
+                        502,
+                        "qlm sent a reply that is not valid",
+                        type="server_error",
+                        code="bad_reply",
+                    ) from None
+                raise
+            assert piece is not None  # a stream's first next() is a piece or raises
+            return stream, piece, deadline
+        first.cancel()
+        stream.close()
+        try:
+            if first.done():  # the reply's future was cancelled: the client closed under us
+                raise GatewayError(
+                    503, "the gateway is shutting down", type="server_error", code="shutting_down"
+                )
             if gone in done:
                 log.info("gateway_client_disconnected", request_id=rid)
                 await self._cancel(rid, "the HTTP client disconnected")
@@ -549,23 +570,8 @@ class _Gateway:
                 type="timeout_error",
                 code="timeout",
             )
-        except BaseException as exc:
-            stream.close()
+        finally:
             self.client.forget(rid)
-            if isinstance(exc, StreamError):
-                raise error_from_reply(exc.error, self.settings.retry_after_s) from None
-            if isinstance(exc, MalformedReply):
-                log.error("gateway_malformed_reply", request_id=rid)
-                raise GatewayError(
-                    502, "qlm sent a reply that is not valid", type="server_error", code="bad_reply"
-                ) from None
-            if isinstance(exc, asyncio.CancelledError) and not first.cancelled():
-                raise  # this call was cancelled, not the reply
-            if isinstance(exc, asyncio.CancelledError):
-                raise GatewayError(
-                    503, "the gateway is shutting down", type="server_error", code="shutting_down"
-                ) from None
-            raise
 
     def stream_body(
         self,

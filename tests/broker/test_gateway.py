@@ -501,6 +501,41 @@ async def test_client_disconnect_cancels_the_request_and_its_reply_is_dropped(st
 
 @pytest.mark.broker
 @pytest.mark.asyncio(loop_scope="module")
+async def test_timeout_mid_stream_is_an_error_event_and_cancels(stack: Stack) -> None:
+    impatient = GatewayClient(stack.amqp_url)
+    await impatient.connect()
+    app = create_gateway_app(
+        impatient,
+        keys=ApiKeys({KEY: TENANT}),
+        catalog=ModelCatalog(),
+        settings=GatewaySettings(timeout_s=0.8),
+    )
+    server = await serve_admin(app, "127.0.0.1", 0)
+    body = {"model": MODEL, "prompt": "long", "max_tokens": LONG, "stream": True}
+    try:
+        async with (
+            httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.port}", timeout=30) as http,
+            http.stream(
+                "POST", "/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}
+            ) as resp,
+        ):
+            assert resp.status_code == 200  # the stream began before the timeout
+            rid = resp.headers["x-qlm-request-id"]
+            events = [data for _, data in await _sse_events(resp)]
+        assert events[-1] == "[DONE]"
+        error = json.loads(events[-2])["error"]
+        assert error["code"] == "timeout" and error["type"] == "timeout_error"
+        assert any(json.loads(e).get("choices") for e in events[:-2])  # tokens came first
+        record = await _record(stack.cluster.database_url, rid, status="cancelled")
+        assert record["error_code"] == "cancelled"
+        assert impatient.outstanding() == 0
+    finally:
+        await server.stop()
+        await impatient.close()
+
+
+@pytest.mark.broker
+@pytest.mark.asyncio(loop_scope="module")
 async def test_no_reply_within_the_timeout_is_504(stack: Stack) -> None:
     impatient = GatewayClient(stack.amqp_url)
     await impatient.connect()
