@@ -22,7 +22,14 @@ from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractRobus
 from pydantic import ValidationError
 
 from qlm.admission import PullAdmission, SLOAdmissionGate, required_speed
-from qlm.agents.engine import EngineBackend, EngineOutput, EngineRequest
+from qlm.agents.engine import (
+    EngineBackend,
+    EngineOutput,
+    EngineRequest,
+    TokenCallback,
+    TokenDelta,
+)
+from qlm.agents.token_streams import TokenStreams
 from qlm.amqp import connect
 from qlm.control import (
     Completion,
@@ -112,6 +119,8 @@ class Agent:
         self.completed = 0
         self.evicted = 0
         self.admission_gate = admission_gate
+        # token chunks of streamed requests, published straight to their producers
+        self.token_streams = TokenStreams(log_context=self.log)
 
     async def start(self) -> None:
         self._conn = await connect(self.amqp_url, name=f"qlm-{self.agent_id}")
@@ -121,8 +130,10 @@ class Agent:
         self._dispatch_queue = await declare_agent_queue(self._sub, self.agent_id)
         await self._dispatch_queue.consume(self._on_dispatch, no_ack=False)
         self._conn.reconnect_callbacks.add(self._on_reconnected)
+        await self.token_streams.start(self._conn)
         for inst in self.instances.values():
             inst.engine.set_capacity_listener(self._wake.set)
+            inst.engine.set_token_listener(self._make_token_listener(inst))
             await inst.engine.start(self._make_output_handler(inst))
             caps = inst.engine.capabilities()
             inst.info = inst.info.model_copy(
@@ -135,6 +146,7 @@ class Agent:
                         "prefix_caching": caps.prefix_caching,
                         "kv_offload": caps.kv_offload,
                         "sleep_mode": caps.sleep_mode,
+                        "token_streaming": caps.token_streaming,
                     },
                     "capability_notes": list(caps.notes),
                 }
@@ -159,6 +171,7 @@ class Agent:
                 await self._publish(Goodbye(agent_id=self.agent_id).model_dump_json())
         for inst in self.instances.values():
             await inst.engine.stop()
+        await self.token_streams.stop()
         if self._conn is not None:
             await self._conn.close()
         self.log.info("agent_stopped", completed=self.completed)
@@ -275,6 +288,7 @@ class Agent:
     def _start_dispatch(self, inst: HostedInstance, d: Dispatch) -> None:
         req = d.request
         inst.dispatches[req.request_id] = d
+        self.token_streams.open(d)
         prompt_ids = req.prompt_token_ids
         request = EngineRequest(
             request_id=req.request_id,
@@ -289,6 +303,7 @@ class Agent:
             priority=req.priority,
             resume_token_ids=list(d.resume_token_ids),
             deadline=d.deadline,
+            stream=req.stream and bool(d.reply_routes),
         )
         inst.admission.on_dispatch(request, inst.engine.submit)
         self._admit(inst)
@@ -313,6 +328,7 @@ class Agent:
             ids = ids or list(d.resume_token_ids)
         if inst.dispatches.pop(order.request_id, None) is None:
             return  # the completion won the race while the engine aborted
+        self.token_streams.close(order.request_id)
         inst.admission.forget(order.request_id)
         self.evicted += 1
         self.log.info(
@@ -347,9 +363,19 @@ class Agent:
                     "model_plan_failed", instance_id=inst.info.instance_id, error=repr(exc)
                 )
 
+    def _make_token_listener(self, inst: HostedInstance) -> TokenCallback:
+        def on_tokens(delta: TokenDelta) -> None:
+            # only the attempt this instance runs (a stale engine report is not streamed)
+            if delta.request_id in inst.dispatches:
+                self.token_streams.on_delta(delta)
+
+        return on_tokens
+
     def _make_output_handler(self, inst: HostedInstance) -> Any:
         async def on_output(out: EngineOutput) -> None:
             d = inst.dispatches.pop(out.request_id, None)
+            if d is not None:
+                self.token_streams.close(out.request_id)
             inst.admission.forget(out.request_id)
             self._admit(inst)
             self._wake.set()

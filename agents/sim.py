@@ -37,6 +37,7 @@ from qlm.agents.engine import (
     EngineStats,
     ModelState,
     OutputCallback,
+    TokenDelta,
 )
 from qlm.engine_model import KV_BLOCK_TOKENS, EngineProfile, get_profile
 from qlm.engine_scheduler import (
@@ -67,6 +68,7 @@ class _SimRequest(EngineSeq):
     resumed: list[int] = field(default_factory=list)  # resume_token_ids: its first tokens
     first_token_at: float | None = None
     done: bool = False
+    streamed: int = 0  # output tokens reported as TokenDeltas so far (resume ids count)
 
 
 @dataclass(frozen=True)
@@ -126,6 +128,8 @@ class SimEngine(EngineBackend):
         self._log = log.bind(gpu=gpu_type, models=list(models))
 
         self._requests: dict[str, _SimRequest] = {}
+        # requests whose producer streams: their new tokens are reported every iteration
+        self._streaming: dict[str, _SimRequest] = {}
         # nothing is resident until start() loads the first model
         self._engine: EngineScheduler[_SimRequest] = EngineScheduler(
             f"sim-{gpu_type}", self._limits[models[0]], active_model=None
@@ -232,8 +236,11 @@ class SimEngine(EngineBackend):
             started_at=now,
             token_seed=token_seed,
             resumed=resumed,
+            streamed=len(resumed),  # a resumed request's first new token has this offset
         )
         self._requests[request.request_id] = sim
+        if request.stream:
+            self._streaming[request.request_id] = sim
         self._engine.add(sim)
         self._wakeup.set()
 
@@ -265,6 +272,7 @@ class SimEngine(EngineBackend):
             prefix_caching=False,
             kv_offload=False,
             sleep_mode=True,
+            token_streaming=True,
             notes=("sim: an evicted request's KV is recomputed on resume (no KV offload)",),
         )
 
@@ -345,10 +353,28 @@ class SimEngine(EngineBackend):
         for sim in result.sampled:
             if sim.first_token_at is None:
                 sim.first_token_at = now
+        if self._streaming:
+            for sim in list(self._streaming.values()):
+                self._stream_tokens(sim)
         for sim in result.finished:
             self._finish(sim, now)
         self._record_throughput(result.tokens, seconds / self.time_scale)
         self.iterations += 1
+
+    def _stream_tokens(self, sim: _SimRequest) -> None:
+        """Report the tokens a streamed request generated since the last report. The text
+        pieces concatenate to the final ``output_text`` (tokens joined by spaces)."""
+        self._engine.sync(sim)
+        start, end = sim.streamed, sim.generated
+        if end <= start:
+            return
+        try:
+            ids = [self._token_at(sim, index) for index in range(start, end)]
+        except Exception:
+            return  # the sampler broke: the request's output reports the fault
+        sim.streamed = end
+        text = " ".join(f"t{token}" for token in ids)
+        self._emit_tokens(TokenDelta(sim.request_id, start, ids, " " + text if start else text))
 
     def _token_at(self, sim: _SimRequest, index: int) -> int:
         return _mix64(sim.token_seed, index) % VOCAB_SIZE
@@ -368,6 +394,7 @@ class SimEngine(EngineBackend):
     # ---- request bookkeeping ------------------------------------------------------------
 
     def _remove(self, sim: _SimRequest) -> None:
+        self._streaming.pop(sim.request_id, None)
         if not sim.done:
             self._engine.remove(sim)
             sim.done = True
@@ -376,6 +403,7 @@ class SimEngine(EngineBackend):
         """Report a request the scheduler has finished."""
         sim.done = True
         self._requests.pop(sim.request_id, None)
+        self._streaming.pop(sim.request_id, None)
         tokens, fault = self._token_ids(sim)
         if fault is not None:
             self._log.error("sim_request_failed", request_id=sim.request_id, error=repr(fault))

@@ -45,6 +45,7 @@ from qlm.agents.engine import (
     EngineStats,
     ModelState,
     OutputCallback,
+    TokenDelta,
 )
 from qlm.engine_scheduler import WANTS_AT_MOST  # the one admission constant of every backend
 
@@ -186,6 +187,9 @@ class _Live:
     new_ids: list[int] = field(default_factory=list)
     first_token_at: float | None = None
     cached_tokens: int = 0  # prompt tokens vLLM found in its prefix cache
+    # streamed requests: the new tokens (and their text) already reported as TokenDeltas
+    streamed: int = 0
+    streamed_text: str = ""
 
     def output_ids(self) -> list[int]:
         return list(self.request.resume_token_ids) + self.new_ids
@@ -260,6 +264,7 @@ class VllmEngine(EngineBackend):
         self._caps = EngineCapabilities(
             exact_resume=True,
             prefix_caching=True,
+            token_streaming=True,
             kv_offload=cuda and self.settings.kv_offload_gib is not None,
             sleep_mode=cuda,
             notes=tuple(notes),
@@ -524,6 +529,8 @@ class VllmEngine(EngineBackend):
                     live.cached_tokens = int(out.num_cached_tokens or 0)
                     self._capacity_changed()  # it left vLLM's waiting queue
                 live.new_ids = list(completion.token_ids)
+                if req.stream:
+                    self._stream_tokens(live, completion)
                 if out.finished:
                     finish_reason = completion.finish_reason or "length"
         except asyncio.CancelledError:
@@ -572,6 +579,20 @@ class VllmEngine(EngineBackend):
             )
         )
         self._capacity_changed()
+
+    def _stream_tokens(self, live: _Live, completion: Any) -> None:
+        """Report the tokens this step added (vLLM's outputs are cumulative). The text is the
+        growth of vLLM's own incremental detokenization, so the pieces need no re-decoding;
+        it holds back an incomplete character until the token that ends it."""
+        start = live.streamed
+        if len(live.new_ids) <= start:
+            return
+        ids = live.new_ids[start:]
+        text = str(completion.text or "")
+        piece = text[len(live.streamed_text) :] if text.startswith(live.streamed_text) else ""
+        live.streamed, live.streamed_text = len(live.new_ids), text
+        resumed = len(live.request.resume_token_ids)
+        self._emit_tokens(TokenDelta(live.request.request_id, resumed + start, ids, piece))
 
     async def _ensure_serving(self, model: _Model) -> None:
         """A request for a model that is not serving starts it (cold, CPU fallback) or, with

@@ -10,6 +10,11 @@ durable in a quorum queue) and hands back a future that resolves on the one repl
 keeps its own books: a second reply for a request is recorded in ``duplicates`` and never
 replaces the first, and ``outstanding()`` counts the requests still waiting. The client does
 not declare the broker topology; the coordinator does (``ensure_topology`` exists for tests).
+
+:meth:`QlmClient.stream` asks for the output as it is generated (``stream: true``): the agent
+running the request sends ``tokens`` messages (TokenChunk) to the same reply queue ahead of
+the result, and the stream hands each output token over once, in order, whatever failovers
+did to the chunks (qlm/streaming.py), ending with the result.
 """
 
 from __future__ import annotations
@@ -17,8 +22,8 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections import Counter, OrderedDict
-from collections.abc import Sequence
+from collections import Counter, OrderedDict, deque
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from types import TracebackType
@@ -36,6 +41,7 @@ from aio_pika.abc import (
 from pydantic import Field, TypeAdapter, ValidationError
 
 from qlm import amqp as qlm_amqp
+from qlm.streaming import Reassembler
 from qlm.topology import INGRESS_EXCHANGE, declare_topology
 from qlm.types import (
     CONTENT_TYPE,
@@ -44,6 +50,7 @@ from qlm.types import (
     ErrorMessage,
     RequestMessage,
     ResultMessage,
+    TokenChunk,
 )
 
 log = structlog.get_logger(__name__)
@@ -55,10 +62,100 @@ _reply_adapter: TypeAdapter[Reply] = TypeAdapter(
 
 # Replies in flight to this client at once; acks are cheap, so a generous window.
 _REPLY_PREFETCH = 1000
+_TOKENS_TYPE = "tokens"  # the AMQP type property of a TokenChunk
+_CHUNK_ACK_EVERY = 64  # token chunks acked at once (multiple), well within the prefetch
+_CHUNK_ACK_DELAY_S = 0.05  # a chunk waits at most this long for its ack
 
 
 class MalformedReply(ValueError):
     """A reply arrived for one of our requests but is not a valid Result/ErrorMessage."""
+
+
+class StreamError(Exception):
+    """A streamed request was answered with an ErrorMessage (``error``)."""
+
+    def __init__(self, error: ErrorMessage) -> None:
+        super().__init__(f"{error.code}: {error.message}")
+        self.error = error
+
+
+@dataclass(frozen=True)
+class StreamPiece:
+    """Output tokens of a streamed request, from output index ``offset`` on; the last piece
+    of a stream carries the request's ``result`` (and whatever output the chunks missed)."""
+
+    offset: int
+    token_ids: list[int]
+    text: str
+    result: ResultMessage | None = None
+
+
+class TokenStream:
+    """One streamed request as seen by its producer: :meth:`next` returns its pieces in
+    order, each output token once, then None. Made by :meth:`QlmClient.open_stream`."""
+
+    def __init__(self, client: QlmClient, request_id: str, reply: asyncio.Future[Reply]) -> None:
+        self.request_id = request_id
+        self.reassembler = Reassembler()
+        self._client = client
+        self._reply = reply
+        # token chunks in arrival order; None: the reply came
+        self._inbox: asyncio.Queue[TokenChunk | None] = asyncio.Queue()
+        self._ready: deque[StreamPiece] = deque()
+        self.done = False
+        self.chunks = 0  # token chunks received
+
+    def _feed(self, chunk: TokenChunk) -> None:
+        self.chunks += 1
+        self._inbox.put_nowait(chunk)
+
+    def _take(self, chunk: TokenChunk) -> None:
+        for p in self.reassembler.add(chunk.offset, chunk.token_ids, chunk.text, chunk.attempt):
+            self._ready.append(StreamPiece(p.offset, p.token_ids, p.text))
+
+    async def next(self, timeout: float | None = None) -> StreamPiece | None:  # noqa: ASYNC109
+        """The next piece; None once the result was handed over. Raises StreamError for an
+        error reply, MalformedReply, or TimeoutError (the request stays outstanding)."""
+        while not self._ready:
+            if self.done:
+                return None
+            if self._reply.done():
+                while not self._inbox.empty():  # chunks that came before the result
+                    chunk = self._inbox.get_nowait()
+                    if chunk is not None:
+                        self._take(chunk)
+                if self._ready:
+                    break
+                return self._finish(self._reply.result())
+            if timeout is not None and timeout <= 0:
+                raise TimeoutError(f"no reply for {self.request_id!r} in time")
+            # asyncio.timeout, not wait_for: no task per chunk
+            async with asyncio.timeout(timeout):
+                item = await self._inbox.get()
+            if item is not None:
+                self._take(item)
+        return self._ready.popleft()
+
+    def _finish(self, reply: Reply) -> StreamPiece:
+        self.done = True
+        self.close()
+        if isinstance(reply, ErrorMessage):
+            raise StreamError(reply)
+        p = self.reassembler.finish(reply.output_token_ids, reply.output_text)
+        return StreamPiece(p.offset, p.token_ids, p.text, reply)
+
+    def close(self) -> None:
+        """Stop receiving chunks (the reply is still recorded by the client)."""
+        self._client._streams.pop(self.request_id, None)
+
+    def __aiter__(self) -> TokenStream:
+        return self
+
+    async def __anext__(self) -> StreamPiece:
+        piece = await self.next()
+        if piece is None:
+            raise StopAsyncIteration
+        return piece
 
 
 class QlmClient:
@@ -112,6 +209,14 @@ class QlmClient:
         self.unexpected: list[AbstractIncomingMessage] = []
         #: wall-clock receive time of each request's first reply
         self.received_at: dict[str, float] = {}
+        # correlation id -> the open stream of a streamed request (token chunks go there)
+        self._streams: dict[str, TokenStream] = {}
+        #: token chunks dropped: for no open stream, or not valid
+        self.stray_chunks = 0
+        self._unacked_chunk: AbstractIncomingMessage | None = None
+        self._unacked_chunks = 0
+        self._chunk_ack_timer: asyncio.TimerHandle | None = None
+        self._ack_tasks: set[asyncio.Future[None]] = set()
 
     # --- lifecycle ---------------------------------------------------------------------------
 
@@ -135,6 +240,9 @@ class QlmClient:
         log.debug("client_connected", reply_queue=self.reply_queue_name)
 
     async def close(self) -> None:
+        if self._chunk_ack_timer is not None:
+            self._chunk_ack_timer.cancel()
+            self._chunk_ack_timer = None
         for fut in self._pending.values():
             if not fut.done():
                 fut.cancel()
@@ -188,6 +296,44 @@ class QlmClient:
             content_type=CONTENT_TYPE,
             headers=None,
         )
+
+    async def open_stream(
+        self, request: RequestMessage, *, submitted_at: float | None = None
+    ) -> TokenStream:
+        """Submit ``request`` asking for its tokens as they come (``stream: true``); returns
+        once the broker confirmed it, with the stream to read them from."""
+        rid = request.request_id
+        if not request.stream:
+            request = request.model_copy(update={"stream": True})
+        # open before publishing: the first chunk can beat the confirm back to us
+        placeholder: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
+        stream = self._streams[rid] = TokenStream(self, rid, placeholder)
+        try:
+            stream._reply = await self.submit(request, submitted_at=submitted_at)
+        except BaseException:
+            stream.close()
+            raise
+        if stream._reply.done():  # answered before the confirm came back
+            stream._inbox.put_nowait(None)
+        return stream
+
+    async def stream(
+        self,
+        request: RequestMessage,
+        timeout: float,  # noqa: ASYNC109
+    ) -> AsyncIterator[StreamPiece]:
+        """Submit ``request`` as a streamed one and yield its output as it is generated: each
+        token once, in order; the last piece carries the ResultMessage. Raises StreamError on
+        an error reply, TimeoutError when the whole answer takes over ``timeout`` s (the
+        request stays outstanding)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        stream = await self.open_stream(request)
+        try:
+            while (piece := await stream.next(deadline - loop.time())) is not None:
+                yield piece
+        finally:
+            stream.close()
 
     async def request(self, request: RequestMessage, timeout: float) -> Reply:  # noqa: ASYNC109
         """Submit and wait for the reply; raises TimeoutError (the request stays outstanding)."""
@@ -306,7 +452,41 @@ class QlmClient:
             self._record(message)
         finally:
             # Recorded in memory either way; a reply we cannot use must not come back forever.
-            await message.ack()
+            if message.type == _TOKENS_TYPE:
+                await self._ack_chunk(message)
+            else:
+                # multiple: the token chunks delivered before it are recorded too (each
+                # delivery's callback records it before its first await, in order)
+                self._unacked_chunk, self._unacked_chunks = None, 0
+                await message.ack(multiple=True)
+
+    async def _ack_chunk(self, message: AbstractIncomingMessage) -> None:
+        """Token chunks are acked in batches (an ack per chunk is a socket write per token
+        batch, which costs more than the chunk itself): every ``_CHUNK_ACK_EVERY``, with
+        the next reply, or after ``_CHUNK_ACK_DELAY_S``."""
+        self._unacked_chunk = message
+        self._unacked_chunks += 1
+        if self._unacked_chunks >= _CHUNK_ACK_EVERY:
+            await self._flush_chunk_acks()
+        elif self._chunk_ack_timer is None:
+            self._chunk_ack_timer = asyncio.get_running_loop().call_later(
+                _CHUNK_ACK_DELAY_S, self._chunk_ack_due
+            )
+
+    def _chunk_ack_due(self) -> None:
+        self._chunk_ack_timer = None
+        task = asyncio.ensure_future(self._flush_chunk_acks())
+        self._ack_tasks.add(task)
+        task.add_done_callback(self._ack_tasks.discard)
+
+    async def _flush_chunk_acks(self) -> None:
+        message, self._unacked_chunk, self._unacked_chunks = self._unacked_chunk, None, 0
+        if message is None:
+            return
+        try:
+            await message.ack(multiple=True)
+        except Exception as exc:  # noqa: BLE001 - e.g. its channel is gone with a reconnect
+            log.debug("token_chunk_ack_failed", error=repr(exc))
 
     def forget(self, correlation_id: str, *, remember: int = 100_000) -> None:
         """Stop tracking a request (its caller gave up: answered, timed out, went away), so a
@@ -322,13 +502,38 @@ class QlmClient:
             self._reply_ids,
             self._request_ids,
             self._tenants,
+            self._streams,
         ):
             book.pop(correlation_id, None)
         self._forgotten[correlation_id] = None
         while len(self._forgotten) > remember:
             self._forgotten.popitem(last=False)
 
+    def _on_tokens(self, message: AbstractIncomingMessage) -> None:
+        """A token chunk (an agent's best-effort message, not a reply): to its open stream,
+        or dropped. It never counts as a reply, duplicate or malformed reply."""
+        cid = message.correlation_id
+        stream = self._streams.get(cid) if cid is not None else None
+        if stream is None:
+            self.stray_chunks += 1
+            log.debug("token_chunk_for_unknown_request", correlation_id=cid)
+            return
+        try:
+            chunk = TokenChunk.model_validate_json(message.body)
+        except ValidationError as exc:
+            self.stray_chunks += 1
+            log.debug("token_chunk_invalid", correlation_id=cid, error=str(exc)[:200])
+            return
+        if chunk.request_id != stream.request_id:
+            self.stray_chunks += 1
+            log.debug("token_chunk_for_other_request", correlation_id=cid)
+            return
+        stream._feed(chunk)
+
     def _record(self, message: AbstractIncomingMessage) -> None:
+        if message.type == _TOKENS_TYPE:
+            self._on_tokens(message)
+            return
         if message.correlation_id in self._forgotten:
             log.debug("reply_for_forgotten_request", correlation_id=message.correlation_id)
             return
@@ -363,6 +568,9 @@ class QlmClient:
                 self.duplicates.setdefault(cid, []).append(reply)
             return
         self.received_at[cid] = time.time()
+        stream = self._streams.get(cid)
+        if stream is not None:
+            stream._inbox.put_nowait(None)  # wakes its reader: the reply is in
         if fut.done():  # cancelled by close()
             return
         if reply is None:

@@ -83,6 +83,11 @@ class Pull(_Msg):
     credit: int = Field(ge=1, description="additional requests the instance can take now")
 
 
+class ReplyRoute(_Msg):
+    reply_to: str
+    correlation_id: str | None = None
+
+
 class Dispatch(_Msg):
     type: Literal["dispatch"] = "dispatch"
     dispatch_id: str
@@ -96,6 +101,9 @@ class Dispatch(_Msg):
     # and its output starts with them (exact resume)
     resume_token_ids: list[int] = Field(default_factory=list)
     deadline: float | None = None  # unix s (end-to-end SLO), for the agent's admission gate
+    # streamed requests only (request.stream): where the agent publishes TokenChunks, the
+    # (reply_to, correlation_id) pairs the coordinator validated and will answer
+    reply_routes: list[ReplyRoute] = Field(default_factory=list)
 
 
 class Evict(_Msg):

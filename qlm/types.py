@@ -190,6 +190,11 @@ class RequestMessage(_Strict):
     )
     task: TaskInfo | None = None
     stage: StageInfo | None = None
+    stream: bool = Field(
+        default=False,
+        description="send TokenChunk messages (type 'tokens') to reply_to as tokens are "
+        "generated, before the one ResultMessage",
+    )
 
     @model_validator(mode="after")
     def _one_prompt(self) -> RequestMessage:
@@ -257,6 +262,23 @@ class ResultMessage(_Strict):
     attempts: int = Field(ge=1, description="dispatches it took (more than 1 after a failover)")
 
 
+class TokenChunk(_Strict):
+    """Tokens of a streamed request (``stream: true``) as they are generated: transient and
+    best effort, published by the agent running the request straight to the reply route. The
+    ResultMessage that follows is the durable answer and carries the whole output, so a
+    consumer that missed chunks (an agent died, the broker dropped them) fills the gap from it.
+    Chunks can repeat or overlap (a request resumed elsewhere starts again at its resume
+    point): ``offset`` says where in the output they belong."""
+
+    type: Literal["tokens"] = "tokens"
+    version: Literal[1] = 1
+    request_id: str
+    offset: int = Field(ge=0, description="index in output_token_ids of the first token here")
+    token_ids: list[int]
+    text: str = Field(default="", description="the detokenized text of these tokens")
+    attempt: int | None = Field(default=None, ge=1, description="the dispatch that sent it")
+
+
 class ErrorCode(StrEnum):
     INVALID_JSON = "invalid_json"
     INVALID_ENCODING = "invalid_encoding"
@@ -312,7 +334,7 @@ class CancelMessage(_Strict):
 
 
 def protocol_json_schema() -> dict[str, Any]:
-    """The JSON Schema of protocol v1 (request, result and error), as committed in the repo."""
+    """The JSON Schema of protocol v1 (request, result, error, token chunk), as committed."""
     from pydantic.json_schema import models_json_schema
 
     _, defs = models_json_schema(
@@ -321,6 +343,7 @@ def protocol_json_schema() -> dict[str, Any]:
             (CancelMessage, "validation"),
             (ResultMessage, "serialization"),
             (ErrorMessage, "serialization"),
+            (TokenChunk, "serialization"),
         ],
         title="qlm wire protocol v1",
     )
@@ -328,13 +351,15 @@ def protocol_json_schema() -> dict[str, Any]:
     defs["$id"] = "https://qlm.dev/schemas/protocol-v1.schema.json"
     defs["description"] = (
         "Generated from qlm/types.py by `qlm schema`. Publish a RequestMessage to the ingress "
-        "exchange; receive exactly one ResultMessage or ErrorMessage on reply_to. A "
-        "CancelMessage on the same exchange withdraws a request."
+        "exchange; receive exactly one ResultMessage or ErrorMessage on reply_to (before it, "
+        "TokenChunk messages when the request asked to stream). A CancelMessage on the same "
+        "exchange withdraws a request."
     )
     defs["oneOf"] = [
         {"$ref": "#/$defs/RequestMessage"},
         {"$ref": "#/$defs/CancelMessage"},
         {"$ref": "#/$defs/ResultMessage"},
         {"$ref": "#/$defs/ErrorMessage"},
+        {"$ref": "#/$defs/TokenChunk"},
     ]
     return defs

@@ -43,6 +43,7 @@ from qlm.control import (
     Heartbeat,
     ModelPlan,
     Pull,
+    ReplyRoute,
     ServedModel,
     ServedModels,
     to_coordinator_adapter,
@@ -582,6 +583,13 @@ class Coordinator:
             dispatched_at=t.dispatched_at or time.time(),
             resume_token_ids=t.resume_token_ids,
             deadline=t.plan_view.deadline,
+            # only a streamed request's agent learns where replies go: it publishes token
+            # chunks there; the result itself still comes from here, exactly once
+            reply_routes=(
+                [ReplyRoute(reply_to=r, correlation_id=c) for r, c in t.reply_targets()]
+                if t.request.stream
+                else []
+            ),
         )
         try:
             await self._to_agent(order.agent_id, msg.model_dump_json())

@@ -6,11 +6,11 @@ One :class:`GatewayClient` (a long-lived ``QlmClient``) per process publishes ev
 durable once the broker confirmed it; the HTTP call then waits for the one reply, for the
 configured timeout, or for the client to go away, whichever comes first.
 
-qlm's wire protocol answers with whole results (no token stream), so ``stream: true`` sends
-the finished text as a burst of SSE chunks once the result is in: the client's time to first
-byte is the request's end-to-end latency. A client that disconnects, or a call that times out,
-cancels its request (a protocol ``cancel`` message): a queued request is dropped, a running
-one is stopped. docs/gateway.md says what protocol change token streaming needs.
+``stream: true`` asks qlm for a token stream (``RequestMessage.stream``): the agent running
+the request sends token chunks to the gateway's reply queue as they are generated, and each
+becomes an SSE chunk (qlm/gateway/sse.py); the result, the one durable answer, ends the
+stream. A client that disconnects, or a call that times out, cancels its request (a protocol
+``cancel`` message): a queued request is dropped, a running one is stopped.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import json
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, TypeVar
@@ -38,15 +38,12 @@ from starlette.types import Receive
 
 from qlm.admin import AdminServer, serve_admin
 from qlm.catalog import ModelCatalog, ModelSpec, UnknownModelError
-from qlm.client import MalformedReply, QlmClient, Reply
+from qlm.client import MalformedReply, QlmClient, Reply, StreamError, StreamPiece, TokenStream
 from qlm.gateway.openai_types import (
     SERVICE_TIER_CLASSES,
     ChatChoice,
-    ChatChunkChoice,
-    ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
-    ChatDelta,
     ChatMessageOut,
     CompletionChoice,
     CompletionRequest,
@@ -60,6 +57,7 @@ from qlm.gateway.openai_types import (
     UsageOut,
 )
 from qlm.gateway.served import ServedModelsWatcher
+from qlm.gateway.sse import DONE, SseRenderer, error_event, stream_events
 from qlm.types import (
     SLO,
     ChatMessage,
@@ -363,6 +361,7 @@ class _Gateway:
         self.catalog = catalog
         self.settings = settings
         self.served = served
+        self._background: set[asyncio.Future[None]] = set()
 
     async def model_cards(self) -> list[ModelCard]:
         """``/v1/models``: what live agents serve, as the coordinator last announced it. A bare
@@ -504,13 +503,7 @@ class _Gateway:
         except Exception as exc:  # noqa: BLE001 - any publish failure: not confirmed, say so
             self.client.forget(rid)
             log.warning("gateway_publish_failed", request_id=rid, error=type(exc).__name__)
-            raise GatewayError(
-                503,
-                "the request could not be queued (message broker unavailable); retry",
-                type="server_error",
-                code="service_unavailable",
-                headers={"Retry-After": str(self.settings.retry_after_s)},
-            ) from None
+            raise self._unavailable() from None
         gone = asyncio.create_task(_until_disconnect(request.receive))
         waiting: set[asyncio.Future[Any]] = {fut, gone}
         try:
@@ -550,11 +543,156 @@ class _Gateway:
         finally:
             self.client.forget(rid)
 
-    async def _cancel(self, rid: str, reason: str) -> None:
+    async def open_stream(
+        self, request: Request, message: RequestMessage
+    ) -> tuple[TokenStream, StreamPiece, float]:
+        """Publish a streamed request, then wait for its first piece (its first tokens, or
+        the result), the timeout or the client leaving: an error until then is an HTTP error
+        status. Returns the stream, its first piece and the call's deadline (loop time)."""
+        rid = message.request_id
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.settings.timeout_s
+        try:
+            stream = await asyncio.wait_for(
+                self.client.open_stream(message, submitted_at=time.time()),
+                self.settings.timeout_s,
+            )
+        except Exception as exc:  # noqa: BLE001 - any publish failure: not confirmed, say so
+            self.client.forget(rid)
+            log.warning("gateway_publish_failed", request_id=rid, error=type(exc).__name__)
+            raise self._unavailable() from None
+        first = asyncio.ensure_future(stream.next())
+        gone = asyncio.create_task(_until_disconnect(request.receive))
+        try:
+            done, _ = await asyncio.wait(
+                {first, gone},
+                timeout=max(0.0, deadline - loop.time()),
+                return_when=asyncio.FIRST_COMPLETED,
+            )
+        finally:
+            gone.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await gone
+        if first.done() and not first.cancelled():
+            try:
+                piece = first.result()
+            except BaseException as exc:
+                stream.close()
+                self.client.forget(rid)
+                if isinstance(exc, StreamError):
+                    log.info("gateway_error_reply", request_id=rid, code=str(exc.error.code))
+                    raise error_from_reply(exc.error, self.settings.retry_after_s) from None
+                if isinstance(exc, MalformedReply):
+                    log.error("gateway_malformed_reply", request_id=rid)
+                    raise GatewayError(
+                        502,
+                        "qlm sent a reply that is not valid",
+                        type="server_error",
+                        code="bad_reply",
+                    ) from None
+                raise
+            assert piece is not None  # a stream's first next() is a piece or raises
+            return stream, piece, deadline
+        first.cancel()
+        stream.close()
+        try:
+            if first.done():  # the reply's future was cancelled: the client closed under us
+                raise GatewayError(
+                    503, "the gateway is shutting down", type="server_error", code="shutting_down"
+                )
+            if gone in done:
+                log.info("gateway_client_disconnected", request_id=rid)
+                await self._cancel(rid, "the HTTP client disconnected")
+                raise _ClientGone
+            log.warning("gateway_timeout", request_id=rid, timeout_s=self.settings.timeout_s)
+            await self._cancel(rid, "the gateway's timeout passed")
+            raise GatewayError(
+                504,
+                f"no reply within {self.settings.timeout_s:g} s; the request was cancelled",
+                type="timeout_error",
+                code="timeout",
+            )
+        finally:
+            self.client.forget(rid)
+
+    def stream_body(
+        self,
+        call: _Call,
+        tenant: str | None,
+        stream: TokenStream,
+        first: StreamPiece,
+        deadline: float,
+    ) -> AsyncIterator[bytes]:
+        """The SSE events of a call whose stream began (sse.py). A call that ends before its
+        result (the client went away, the timeout passed) cancels its request."""
+        rid = call.request_id
+        loop = asyncio.get_running_loop()
+
+        def next_piece() -> Awaitable[StreamPiece | None]:
+            return stream.next(max(0.0, deadline - loop.time()))
+
+        async def events() -> AsyncIterator[bytes]:
+            answered = False
+            try:
+                try:
+                    async for event in stream_events(
+                        SseRenderer(call.kind, call.public_id, call.model),
+                        first,
+                        next_piece,
+                        include_usage=call.include_usage,
+                        finish=lambda r: (_finish(r.finish_reason), _usage(r), _info(r)),
+                    ):
+                        yield event
+                    answered = True
+                except StreamError as exc:
+                    answered = True
+                    err = error_from_reply(exc.error, self.settings.retry_after_s).body.error
+                    yield error_event(err.message, err.type, err.code or "error")
+                except MalformedReply:
+                    answered = True
+                    log.error("gateway_malformed_reply", request_id=rid)
+                    yield error_event(
+                        "qlm sent a reply that is not valid", "server_error", "bad_reply"
+                    )
+                except TimeoutError:
+                    timeout_s = self.settings.timeout_s
+                    log.warning("gateway_timeout", request_id=rid, timeout_s=timeout_s)
+                    yield error_event(
+                        f"no result within {timeout_s:g} s; the request was cancelled",
+                        "timeout_error",
+                        "timeout",
+                    )
+                yield DONE
+            finally:
+                stream.close()
+                if not answered:
+                    # not awaited here: the generator may be closing under a cancellation
+                    self._spawn(self._cancel(rid, "the stream ended early", tenant=tenant))
+                self.client.forget(rid)
+
+        return events()
+
+    def _spawn(self, work: Awaitable[None]) -> None:
+        task = asyncio.ensure_future(work)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    def _unavailable(self) -> GatewayError:
+        return GatewayError(
+            503,
+            "the request could not be queued (message broker unavailable); retry",
+            type="server_error",
+            code="service_unavailable",
+            headers={"Retry-After": str(self.settings.retry_after_s)},
+        )
+
+    async def _cancel(self, rid: str, reason: str, *, tenant: str | None = None) -> None:
         """Withdraw the request nobody waits for any more; its late reply is dropped. A cancel
         that cannot be published (broker down) leaves the request to run: logged, not raised."""
         try:
-            await asyncio.wait_for(self.client.cancel(rid, reason), self.settings.timeout_s)
+            await asyncio.wait_for(
+                self.client.cancel(rid, reason, tenant=tenant), self.settings.timeout_s
+            )
             log.info("gateway_request_cancelled", request_id=rid, reason=reason)
         except Exception as exc:  # noqa: BLE001 - best effort: the caller is already gone
             log.warning("gateway_cancel_failed", request_id=rid, error=type(exc).__name__)
@@ -607,21 +745,6 @@ def _info(result: ResultMessage) -> QlmInfo:
     )
 
 
-_PIECES = re.compile(r"\S+\s*|\s+")
-
-
-def _pieces(text: str) -> list[str]:
-    """Word-sized pieces whose concatenation is exactly ``text`` (no tokenizer here)."""
-    return _PIECES.findall(text)
-
-
-def _sse(payload: BaseModel) -> bytes:
-    return b"data: " + payload.model_dump_json().encode() + b"\n\n"
-
-
-_DONE = b"data: [DONE]\n\n"
-
-
 def _json(model: BaseModel, rid: str) -> Response:
     return Response(
         model.model_dump_json(),
@@ -631,94 +754,34 @@ def _json(model: BaseModel, rid: str) -> Response:
 
 
 def completion_response(call: _Call, result: ResultMessage) -> Response:
-    created = int(time.time())
-    finish = _finish(result.finish_reason)
-    if not call.stream:
-        body = CompletionResponse(
-            id=call.public_id,
-            created=created,
-            model=call.model,
-            choices=[CompletionChoice(text=result.output_text, finish_reason=finish)],
-            usage=_usage(result),
-            qlm=_info(result),
-        )
-        return _json(body, call.request_id)
-
-    def chunk(text: str, reason: FinishReason | None) -> bytes:
-        return _sse(
-            CompletionResponse(
-                id=call.public_id,
-                created=created,
-                model=call.model,
-                choices=[CompletionChoice(text=text, finish_reason=reason)],
-            )
-        )
-
-    async def events() -> AsyncIterator[bytes]:
-        for piece in _pieces(result.output_text):
-            yield chunk(piece, None)
-        yield chunk("", finish)
-        if call.include_usage:
-            yield _sse(
-                CompletionResponse(
-                    id=call.public_id,
-                    created=created,
-                    model=call.model,
-                    choices=[],
-                    usage=_usage(result),
-                    qlm=_info(result),
-                )
-            )
-        yield _DONE
-
-    return _stream(events(), call.request_id)
+    body = CompletionResponse(
+        id=call.public_id,
+        created=int(time.time()),
+        model=call.model,
+        choices=[
+            CompletionChoice(text=result.output_text, finish_reason=_finish(result.finish_reason))
+        ],
+        usage=_usage(result),
+        qlm=_info(result),
+    )
+    return _json(body, call.request_id)
 
 
 def chat_response(call: _Call, result: ResultMessage) -> Response:
-    created = int(time.time())
-    finish = _finish(result.finish_reason)
-    if not call.stream:
-        body = ChatCompletionResponse(
-            id=call.public_id,
-            created=created,
-            model=call.model,
-            choices=[
-                ChatChoice(message=ChatMessageOut(content=result.output_text), finish_reason=finish)
-            ],
-            usage=_usage(result),
-            qlm=_info(result),
-        )
-        return _json(body, call.request_id)
-
-    def chunk(delta: ChatDelta, reason: FinishReason | None = None) -> bytes:
-        return _sse(
-            ChatCompletionChunk(
-                id=call.public_id,
-                created=created,
-                model=call.model,
-                choices=[ChatChunkChoice(delta=delta, finish_reason=reason)],
+    body = ChatCompletionResponse(
+        id=call.public_id,
+        created=int(time.time()),
+        model=call.model,
+        choices=[
+            ChatChoice(
+                message=ChatMessageOut(content=result.output_text),
+                finish_reason=_finish(result.finish_reason),
             )
-        )
-
-    async def events() -> AsyncIterator[bytes]:
-        yield chunk(ChatDelta(role="assistant", content=""))
-        for piece in _pieces(result.output_text):
-            yield chunk(ChatDelta(content=piece))
-        yield chunk(ChatDelta(), finish)
-        if call.include_usage:
-            yield _sse(
-                ChatCompletionChunk(
-                    id=call.public_id,
-                    created=created,
-                    model=call.model,
-                    choices=[],
-                    usage=_usage(result),
-                    qlm=_info(result),
-                )
-            )
-        yield _DONE
-
-    return _stream(events(), call.request_id)
+        ],
+        usage=_usage(result),
+        qlm=_info(result),
+    )
+    return _json(body, call.request_id)
 
 
 def _stream(events: AsyncIterator[bytes], rid: str) -> StreamingResponse:
@@ -757,6 +820,8 @@ def create_gateway_app(
         kind: Literal["completion", "chat"],
         render: Callable[[_Call, ResultMessage], Response],
     ) -> Response:
+        """One call: a whole answer rendered by ``render``, or (``stream``) SSE events as
+        the tokens come."""
         started = time.perf_counter()
         tenant = gw.tenant(request)
         raw = await _read_body(request, gw.settings.max_body_bytes)
@@ -775,6 +840,12 @@ def create_gateway_app(
             stream=body.stream,
             include_usage=body.include_usage(),
         )
+        if call.stream:
+            try:
+                stream, first, deadline = await gw.open_stream(request, message)
+            except _ClientGone:
+                return Response(status_code=499)
+            return _stream(gw.stream_body(call, tenant, stream, first, deadline), rid)
         try:
             result = await gw.round_trip(request, message)
         except _ClientGone:

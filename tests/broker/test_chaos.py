@@ -155,6 +155,21 @@ async def test_quick_scenario_loses_nothing_and_answers_once(
 
 @pytest.mark.broker
 @pytest.mark.slow
+async def test_agent_killed_under_token_streams_every_stream_is_exact(
+    tmp_path: Path, amqp_url: str
+) -> None:
+    settings = ChaosSettings(workdir=tmp_path, stream_requests=200, max_tokens=300)
+    [result] = await run_chaos(select(["agent-kill-streams"]), settings, amqp_url)
+    assert result.error is None, result.error
+    assert result.sent == 200
+    assert result.in_flight_at_fault >= 150, result
+    assert result.lost == 0 and result.duplicates == 0 and result.errors == 0, result
+    assert result.broken_streams == 0, result.notes
+    assert result.passed
+
+
+@pytest.mark.broker
+@pytest.mark.slow
 async def test_a_publish_during_a_broker_outage_is_published_once_the_broker_is_back(
     tmp_path: Path,
 ) -> None:

@@ -15,7 +15,7 @@ import aio_pika
 import pytest
 from aio_pika.abc import AbstractChannel, AbstractIncomingMessage
 
-from qlm.client import QlmClient, replay
+from qlm.client import QlmClient, StreamError, replay
 from qlm.tooling.report import Report
 from qlm.topology import shard_queue
 from qlm.types import (
@@ -26,6 +26,7 @@ from qlm.types import (
     ResultMessage,
     SLOOutcome,
     Timestamps,
+    TokenChunk,
     Usage,
 )
 
@@ -303,3 +304,79 @@ async def test_replay_keeps_the_schedule_and_counts_duplicates_and_lost(
         assert arrived[f"rp-{i}"] >= result.sent_at[f"rp-{i}"] - 0.001
     report = Report.from_replay(result)
     assert report.to_json()["lost"] == 1 and report.completed == 19
+
+
+async def send_chunk(
+    channel: AbstractChannel, chunk: TokenChunk | bytes, *, reply_to: str, cid: str | None
+) -> None:
+    """Publish a token chunk the way an agent does: transient, type "tokens"."""
+    body = chunk if isinstance(chunk, bytes) else chunk.model_dump_json().encode()
+    await channel.default_exchange.publish(
+        aio_pika.Message(body, content_type="application/json", correlation_id=cid, type="tokens"),
+        routing_key=reply_to,
+    )
+
+
+async def test_stream_drops_stray_duplicated_and_reordered_chunks(
+    isolated_amqp_url: str, channel: AbstractChannel
+) -> None:
+    async with QlmClient(isolated_amqp_url) as client:
+        await client.ensure_topology(SHARDS)
+        req = make_request("st-1", max_tokens=6, stream=False)
+        stream = await client.open_stream(req)
+        m = only_message(await take_from_shards(channel, 1))
+        assert RequestMessage.model_validate_json(m.body).stream  # it asked to stream
+        assert m.reply_to is not None and m.correlation_id is not None
+        to = {"reply_to": m.reply_to, "cid": m.correlation_id}
+        ids = [11, 12, 13, 14, 15, 16]
+
+        def chunk(start: int, end: int, rid: str = "st-1") -> TokenChunk:
+            text = "".join(f"<{t}>" for t in ids[start:end])
+            return TokenChunk(
+                request_id=rid, offset=start, token_ids=ids[start:end], text=text, attempt=1
+            )
+
+        # chunks nobody waits for, and broken ones: dropped, never replies
+        await send_chunk(channel, chunk(0, 2, "nobody"), reply_to=m.reply_to, cid="nobody")
+        await send_chunk(channel, chunk(0, 2, "other"), **to)  # another request's id
+        await send_chunk(channel, b"{not json", **to)
+        await send_chunk(channel, chunk(2, 4), **to)  # out of order: held
+        await send_chunk(channel, chunk(0, 2), **to)
+        await send_chunk(channel, chunk(0, 2), **to)  # duplicate
+        await send_chunk(channel, chunk(1, 3), **to)  # overlap, nothing new
+        got = [await stream.next(5), await stream.next(5)]
+        assert [(p.offset, p.token_ids, p.text) for p in got] == [
+            (0, [11, 12], "<11><12>"),
+            (2, [13, 14], "<13><14>"),
+        ]
+        assert client.stray_chunks == 3
+        result = result_for(req).model_copy(
+            update={"output_token_ids": ids, "output_text": "".join(f"<{t}>" for t in ids)}
+        )
+        await send_reply(channel, result, **to)
+        last = await stream.next(5)
+        assert last is not None and last.result == result
+        assert (last.offset, last.token_ids, last.text) == (4, [15, 16], "<15><16>")
+        assert await stream.next(5) is None
+        # a chunk after the result: the stream is closed, it is dropped
+        await send_chunk(channel, chunk(4, 6), **to)
+        await wait_until(lambda: client.stray_chunks == 4)
+        assert client.unexpected == [] and client.duplicates == {}
+        assert client.reply_counts["st-1"] == 1
+
+
+async def test_stream_raises_on_an_error_reply(
+    isolated_amqp_url: str, channel: AbstractChannel
+) -> None:
+    async with QlmClient(isolated_amqp_url) as client:
+        await client.ensure_topology(SHARDS)
+        req = make_request("st-err")
+        pieces = client.stream(req, timeout=10)
+        first = asyncio.ensure_future(anext(pieces))
+        m = only_message(await take_from_shards(channel, 1))
+        assert m.reply_to is not None and m.correlation_id is not None
+        error = ErrorMessage(request_id="st-err", code=ErrorCode.OVERLOADED, message="full")
+        await send_reply(channel, error, reply_to=m.reply_to, cid=m.correlation_id)
+        with pytest.raises(StreamError) as raised:
+            await first
+        assert raised.value.error == error

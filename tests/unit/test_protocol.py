@@ -349,7 +349,7 @@ BAD: dict[str, dict[str, Any]] = {
     "request_id with a space": {**GOOD, "request_id": "req 1"},
     "request_id with a trailing newline": {**GOOD, "request_id": "req-1\n"},
     "request_id too long": {**GOOD, "request_id": "r" * 129},
-    "extra top-level field": {**GOOD, "stream": True},
+    "extra top-level field": {**GOOD, "n": 2},
     "extra slo field": {**GOOD, "slo": {"e2e_ms": 5000, "tpot_ms": 50}},
     "extra sampling field": {**GOOD, "sampling": {"beam_width": 4}},
     "extra message field": {

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from qlm.agents.engine import EngineOutput, EngineRequest
+from qlm.agents.engine import EngineOutput, EngineRequest, TokenDelta
 from qlm.agents.sim import MAX_CATCH_UP_S, SimEngine, _SimRequest
 from qlm.engine_model import EngineProfile, get_profile
 
@@ -454,3 +454,36 @@ def test_constructor_validation() -> None:
     # Models sharing an engine share its TP group: the largest any of them needs.
     engine = SimEngine("A10", ["mistral-7b", "vicuna-13b"])
     assert engine.profile("mistral-7b").tp == engine.profile("vicuna-13b").tp == 2
+
+
+async def test_streamed_requests_report_token_deltas_with_output_offsets() -> None:
+    engine = SimEngine("A10", ["tiny-llama"], time_scale=5.0, seed=4)
+    assert engine.capabilities().token_streaming
+    deltas: list[TokenDelta] = []
+    engine.set_token_listener(deltas.append)
+    async with running(engine) as outputs:
+        engine.submit(replace(request("s", max_tokens=40), stream=True))
+        engine.submit(request("quiet", max_tokens=40))  # not streamed: nobody reads its tokens
+        await outputs.wait_for(2)
+    out = outputs.by_id["s"]
+    assert {d.request_id for d in deltas} == {"s"}
+    assert len(deltas) > 5  # per iteration, not one burst at the end
+    at = 0
+    for d in deltas:
+        assert d.offset == at
+        at += len(d.token_ids)
+    assert [t for d in deltas for t in d.token_ids] == out.output_token_ids
+    assert "".join(d.text for d in deltas) == out.output_text
+
+    # resumed after 15 tokens (elsewhere, with the same seed): its first new token has offset
+    # 15, and the tokens are the uninterrupted run's
+    resumed: list[TokenDelta] = []
+    again = SimEngine("A10", ["tiny-llama"], time_scale=5.0, seed=4)
+    again.set_token_listener(resumed.append)
+    async with running(again) as outputs:
+        head = out.output_token_ids[:15]
+        again.submit(replace(request("s", max_tokens=40), stream=True, resume_token_ids=head))
+        await outputs.wait_for(1)
+    assert resumed[0].offset == 15
+    assert [t for d in resumed for t in d.token_ids] == out.output_token_ids[15:]
+    assert outputs.by_id["s"].output_text.endswith("".join(d.text for d in resumed))

@@ -13,12 +13,13 @@ import os
 import signal
 import time
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import pytest_asyncio
 
-from qlm.agents.engine import EngineOutput, EngineRequest
+from qlm.agents.engine import EngineOutput, EngineRequest, TokenDelta
 from qlm.agents.vllm import VllmEngine, VllmSettings, vllm_available
 
 pytestmark = [
@@ -158,6 +159,38 @@ async def test_abort_and_exact_resume_match_an_uninterrupted_run(
     # in the prefix cache instead of recomputing them
     hits_after, _ = eng.prefix_cache_tokens()
     assert hits_after - hits_before >= 64
+
+
+async def test_streamed_requests_report_token_deltas_per_step(
+    engine: tuple[VllmEngine, Outputs],
+) -> None:
+    eng, outputs = engine
+    assert eng.capabilities().token_streaming
+    deltas: list[TokenDelta] = []
+    eng.set_token_listener(deltas.append)
+    try:
+        eng.submit(replace(greedy("st-plain", PROMPT, 8), stream=False))
+        streamed = replace(text_request("st", "Tokens stream as they come", 40), stream=True)
+        eng.submit(streamed)
+        out = await outputs.get("st")
+        await outputs.get("st-plain")
+        assert {d.request_id for d in deltas} == {"st"}  # only what asked to stream
+        assert len(deltas) > 5  # per engine step, not one burst
+        at = 0
+        for d in deltas:
+            assert d.offset == at
+            at += len(d.token_ids)
+        assert [t for d in deltas for t in d.token_ids] == out.output_token_ids
+        assert "".join(d.text for d in deltas) == out.output_text
+        # an exact resume: the first new token's offset counts the resume ids
+        deltas.clear()
+        head = out.output_token_ids[:10]
+        eng.submit(replace(streamed, request_id="st-r", resume_token_ids=head))
+        resumed = await outputs.get("st-r")
+        assert deltas[0].offset == 10
+        assert [t for d in deltas for t in d.token_ids] == resumed.output_token_ids[10:]
+    finally:
+        eng.set_token_listener(None)
 
 
 async def test_priority_orders_what_waits_inside_vllm(engine: tuple[VllmEngine, Outputs]) -> None:

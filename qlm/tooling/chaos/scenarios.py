@@ -56,10 +56,12 @@ class ScenarioResult:
     target_recovery_s: float | None = None
     notes: list[str] = field(default_factory=list)
     error: str | None = None  # the scenario itself could not run
+    # token streams (stream: true loads): streams whose tokens were not their result's exactly
+    broken_streams: int = 0
 
     @property
     def passed(self) -> bool:
-        if self.error is not None:
+        if self.error is not None or self.broken_streams:
             return False
         recovered = self.target_recovery_s is None or (
             self.recovery_s is not None and self.recovery_s <= self.target_recovery_s
@@ -78,6 +80,9 @@ class ChaosSettings:
     # published right after the leader kill by a producer whose channel had not published to
     # the shards yet (its first publish to each meets the dead leader: docs/reliability.md)
     leader_kill_late_requests: int = 100
+    # agent-kill-streams: every request streams its tokens to the producer (far more messages
+    # per request, so fewer requests)
+    stream_requests: int = 300
     max_tokens: int = 300
     time_scale: float = 1.0  # sim agents' speed-up over the hardware they model
     reply_timeout_s: float = 600.0
@@ -329,6 +334,41 @@ async def agent_kill(s: ChaosSettings, amqp_url: str | None) -> ScenarioResult:
     return await _agent_fault("agent-kill", s, amqp_url, inject)
 
 
+async def agent_kill_streams(s: ChaosSettings, amqp_url: str | None) -> ScenarioResult:
+    """An agent SIGKILLed under many concurrent token streams (stream: true): besides one reply
+    each, every stream must hand over each output token exactly once - none repeated after
+    the request moved to the other agent (which regenerates them), none missing."""
+    assert amqp_url is not None
+    name = "agent-kill-streams"
+    started = time.monotonic()
+    async with (
+        _fleet(amqp_url, s.workdir / name, _agents(2, 1, s.time_scale), s) as fleet,
+        ChaosLoad(
+            amqp_url,
+            f"{name}-{os.getpid()}",
+            s.stream_requests,
+            max_tokens=s.max_tokens,
+            stream=True,
+        ) as load,
+    ):
+        await load.publish()
+        in_flight = await _fault_point(load, min_answered=5)
+        fault_at = time.time()
+        fleet.kill_agent("chaos-0", signal.SIGKILL)
+        recovery = await _wait_agent_lost(fleet, "chaos-0", timeout=60, since=fault_at)
+        notes = [] if recovery is not None else ["the agent was never declared lost in 60 s"]
+        await load.wait_all(s.reply_timeout_s)
+        notes += await _stall_notes(load, fleet.admin_url, fleet.token)
+        broken, repeated, missing = load.broken_streams()
+        notes.append(
+            f"{s.stream_requests} streams: {broken} not exactly their result's tokens "
+            f"({repeated} tokens repeated, {missing} missing)"
+        )
+        result = _result(name, load, in_flight, recovery, AGENT_LOSS_TARGET_S, started, notes)
+        result.broken_streams = broken
+        return result
+
+
 async def agent_hang(s: ChaosSettings, amqp_url: str | None) -> ScenarioResult:
     """SIGSTOP: the agent's process and its connection stay, but nothing moves (no heartbeat,
     no results) until the heartbeat timeout declares it lost; then SIGCONT brings it back with
@@ -576,6 +616,13 @@ SCENARIOS: dict[str, Scenario] = {
     for s in [
         Scenario("agent-kill", agent_kill, False, False, "an agent SIGKILLed"),
         Scenario("agent-hang", agent_hang, False, False, "an agent SIGSTOPped, later continued"),
+        Scenario(
+            "agent-kill-streams",
+            agent_kill_streams,
+            True,
+            False,
+            "an agent SIGKILLed under concurrent token streams",
+        ),
         Scenario("agent-slow", agent_slow, True, False, "an agent stopped half the time"),
         Scenario(
             "agent-disconnect", agent_disconnect, True, False, "an agent's AMQP connection closed"

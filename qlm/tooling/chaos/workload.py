@@ -12,7 +12,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from qlm.client import QlmClient, Reply
+from qlm.client import QlmClient, Reply, StreamPiece, TokenStream
 from qlm.types import SLO, RequestMessage, ResultMessage
 
 PUBLISH_CONCURRENCY = 200  # confirms awaited at once; one by one a cluster takes ~1.5 ms each
@@ -35,6 +35,10 @@ class ChaosLoad:
     futures: list[asyncio.Future[Reply]] = field(default_factory=list)
     published_at: float = 0.0
     publish_failures: int = 0
+    # stream: true - every request's tokens are read as they come (QlmClient.open_stream)
+    stream: bool = False
+    pieces: dict[str, list[StreamPiece]] = field(default_factory=dict)
+    _readers: list[asyncio.Task[None]] = field(default_factory=list)
 
     async def __aenter__(self) -> ChaosLoad:
         self.client = QlmClient(self.amqp_url, reply_queue=f"qlm.reply.chaos.{self.prefix}")
@@ -42,6 +46,8 @@ class ChaosLoad:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
+        for task in self._readers:
+            task.cancel()
         if self.client is not None:
             await self.client.close()
 
@@ -52,6 +58,7 @@ class ChaosLoad:
             prompt_token_ids=[1 + (j * 7) % 200 for j in range(self.prompt_tokens)],
             max_tokens=self.max_tokens,
             slo=SLO(e2e_ms=int(self.slo_s * 1000)),
+            stream=self.stream,
         )
 
     async def publish(self) -> None:
@@ -64,12 +71,42 @@ class ChaosLoad:
 
         async def one(i: int) -> asyncio.Future[Reply]:
             async with sem:
-                return await client.submit(self.request(i))
+                if not self.stream:
+                    return await client.submit(self.request(i))
+                stream = await client.open_stream(self.request(i))
+                self._readers.append(asyncio.create_task(self._read(stream)))
+                return stream._reply
 
         done = await asyncio.gather(*(one(i) for i in range(self.n)), return_exceptions=True)
         self.futures = [f for f in done if isinstance(f, asyncio.Future)]
         self.publish_failures = self.n - len(self.futures)
         self.published_at = time.time()
+
+    async def _read(self, stream: TokenStream) -> None:
+        got = self.pieces.setdefault(stream.request_id, [])
+        try:
+            async for piece in stream:
+                got.append(piece)
+        except Exception:  # noqa: BLE001 - an error reply: counted by errors()
+            return
+
+    def broken_streams(self) -> tuple[int, int, int]:
+        """(streams whose tokens were not the result's exactly, tokens repeated, tokens
+        missing), over the answered streamed requests."""
+        broken = repeated = missing = 0
+        for f in self.futures:
+            if not f.done() or f.cancelled() or f.exception() is not None:
+                continue
+            result = f.result()
+            if not isinstance(result, ResultMessage):
+                continue
+            got = [t for p in self.pieces.get(result.request_id, []) for t in p.token_ids]
+            want = result.output_token_ids
+            if got != want:
+                broken += 1
+                repeated += max(0, len(got) - len(want))
+                missing += max(0, len(want) - len(got))
+        return broken, repeated, missing
 
     def answered(self) -> int:
         return sum(f.done() for f in self.futures)
@@ -88,6 +125,8 @@ class ChaosLoad:
         if self.futures:
             await asyncio.wait(self.futures, timeout=timeout)
         await asyncio.sleep(1.0)
+        if self._readers:  # the streams hand over their last piece
+            await asyncio.wait(self._readers, timeout=10)
 
     def duplicates(self) -> int:
         assert self.client is not None
