@@ -70,10 +70,12 @@ def command_of(service: dict[str, Any]) -> list[str]:
 def test_compose_defines_a_three_node_rabbitmq_cluster() -> None:
     data = compose()
     services = data["services"]
-    nodes = {
-        name: s for name, s in services.items() if s.get("image") == "rabbitmq:3.10-management"
-    }
+    nodes = {name: s for name, s in services.items() if str(s.get("image")).startswith("rabbitmq:")}
     assert len(nodes) == 3
+    for node in nodes.values():
+        # >= 3.12: the shards' x-consumer-timeout works, so no broker-wide consumer_timeout
+        tag = re.match(r"rabbitmq:(\d+)\.(\d+)", node["image"])
+        assert tag is not None and (int(tag[1]), int(tag[2])) >= (3, 12), node["image"]
     cookies = {s["environment"]["RABBITMQ_ERLANG_COOKIE"] for s in nodes.values()}
     assert cookies == {COMPOSE_ENV["QLM_ERLANG_COOKIE"]}
     hostnames = {s["hostname"] for s in nodes.values()}
@@ -144,8 +146,12 @@ def test_broker_config_enables_what_the_topology_needs() -> None:
     assert {"rabbitmq_management", "rabbitmq_consistent_hash_exchange"} <= set(
         re.findall(r"[a-z_]+", plugins)
     )
+    # The shards carry their own consumer timeout (qlm/topology.py): the shared config leaves
+    # the broker-wide one alone, and only the fallback for brokers < 3.12 raises it.
     conf = (REPO / "docker" / "rabbitmq.conf").read_text()
-    timeout = re.search(r"^consumer_timeout\s*=\s*(\d+)", conf, re.M)
+    assert re.search(r"^\s*consumer_timeout\b", conf, re.M) is None
+    legacy = (REPO / "docker" / "rabbitmq-pre-3.12.conf").read_text()
+    timeout = re.search(r"^consumer_timeout\s*=\s*(\d+)", legacy, re.M)
     assert timeout is not None and int(timeout.group(1)) >= 24 * 3600 * 1000
 
 
@@ -208,12 +214,20 @@ def test_rabbitmq_script_agrees_with_the_live_node(amqp_url: str) -> None:
     amqp_ports = {entry["port"] for entry in listeners if entry["protocol"] == "amqp"}
     assert amqp_ports == {urlsplit(amqp_url).port}
 
-    expected = re.search(
-        r"^consumer_timeout\s*=\s*(\d+)", (REPO / "docker/rabbitmq.conf").read_text(), re.M
-    )
-    assert expected is not None
+    # Broker-wide consumer timeout only where the per-queue one is ignored (< 3.12).
+    version = run(RABBITMQ_SCRIPT, "version").stdout.strip()
+    major, minor = (int(part) for part in version.split(".")[:2])
     value = run(RABBITMQ_SCRIPT, "ctl", "eval", "application:get_env(rabbit, consumer_timeout).")
-    assert value.stdout.strip() == f"{{ok,{expected.group(1)}}}"
+    if (major, minor) < (3, 12):
+        expected = re.search(
+            r"^consumer_timeout\s*=\s*(\d+)",
+            (REPO / "docker/rabbitmq-pre-3.12.conf").read_text(),
+            re.M,
+        )
+        assert expected is not None
+        assert value.stdout.strip() == f"{{ok,{expected.group(1)}}}"
+    else:
+        assert value.stdout.strip() in ("undefined", "{ok,1800000}")
 
 
 @pytest.mark.broker
