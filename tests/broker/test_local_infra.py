@@ -18,6 +18,7 @@ import sqlalchemy as sa
 import yaml
 from sqlalchemy.ext.asyncio import create_async_engine
 
+from qlm.config import Settings
 from qlm.tooling import localbroker
 
 REPO = Path(__file__).resolve().parents[2]
@@ -29,6 +30,7 @@ COMPOSE_ENV = {
     "QLM_RABBITMQ_PASSWORD": "rabbit-secret",
     "QLM_POSTGRES_PASSWORD": "pg-secret",
     "QLM_ADMIN_TOKEN": "admin-secret",
+    "QLM_GATEWAY_API_KEYS": '{"key-a": "tenant-a"}',
 }
 
 
@@ -102,16 +104,21 @@ def test_compose_runs_postgres_two_coordinators_and_two_sim_agents() -> None:
     agents = [s for s in services.values() if command_of(s)[:1] == ["agent"]]
     assert len(coordinators) == 2
     assert len(agents) == 2
-    hosts = {
-        urlsplit(s["environment"]["QLM_AMQP_URL"]).hostname
-        for s in services.values()
-        if "QLM_AMQP_URL" in s.get("environment", {})
-    }
     rabbit_hosts = {s.get("hostname") for s in services.values() if "hostname" in s}
-    assert hosts <= rabbit_hosts
+    gateways = [s for s in services.values() if command_of(s)[:1] == ["gateway"]]
+    assert len(gateways) == 1
+    orders = []
+    for svc in coordinators + agents + gateways:
+        # every process gets the whole node list, each in another order (qlm/amqp.py)
+        urls = svc["environment"]["QLM_AMQP_URL"].split(",")
+        assert {urlsplit(u).hostname for u in urls} == rabbit_hosts
+        assert Settings(amqp_url=",".join(urls)).amqp_url  # qlm accepts it
+        orders.append(tuple(urls))
+        for u in urls:
+            assert urlsplit(u).password == COMPOSE_ENV["QLM_RABBITMQ_PASSWORD"]
+    assert len(set(orders)) >= 3
     for svc in coordinators + agents:
         env = svc["environment"]
-        assert urlsplit(env["QLM_AMQP_URL"]).password == COMPOSE_ENV["QLM_RABBITMQ_PASSWORD"]
         assert env["QLM_DATABASE_URL"].startswith("postgresql+asyncpg://qlm:pg-secret@postgres:")
         assert env["QLM_ADMIN_TOKEN"] == COMPOSE_ENV["QLM_ADMIN_TOKEN"]
         assert svc["build"]["dockerfile"] == "docker/Dockerfile"
@@ -120,6 +127,30 @@ def test_compose_runs_postgres_two_coordinators_and_two_sim_agents() -> None:
         assert cmd[cmd.index("--backend") + 1] == "sim"
         assert cmd[cmd.index("--gpu-type") + 1] == "A100-80GB"
         assert cmd[cmd.index("--models") + 1] == "mistral-7b,vicuna-13b"
+
+
+def test_compose_runs_the_gateway_and_prometheus_scraping_every_qlm_process() -> None:
+    services = compose()["services"]
+    (gateway,) = [s for s in services.values() if command_of(s)[:1] == ["gateway"]]
+    env = gateway["environment"]
+    assert env["QLM_GATEWAY_HOST"] == "0.0.0.0"
+    assert env["QLM_GATEWAY_API_KEYS"] == COMPOSE_ENV["QLM_GATEWAY_API_KEYS"]
+    assert gateway["ports"] == [f"127.0.0.1:8000:{env['QLM_GATEWAY_PORT']}"]
+    prometheus = services["prometheus"]
+    assert prometheus["ports"] == ["127.0.0.1:9090:9090"]  # loopback only, like the rest
+    scrape = yaml.safe_load((REPO / "docker" / "prometheus.yml").read_text())
+    targets = {
+        t for job in scrape["scrape_configs"] for sc in job["static_configs"] for t in sc["targets"]
+    }
+    # each coordinator on its admin port, the gateway on its HTTP port, each agent on 9400
+    expected = {
+        f"{name}:{svc['environment'].get('QLM_ADMIN_PORT', 8080)}"
+        for name, svc in services.items()
+        if command_of(svc)[:1] == ["coordinator"]
+    }
+    expected |= {f"{n}:9400" for n, s in services.items() if command_of(s)[:1] == ["agent"]}
+    expected.add(f"gateway:{env['QLM_GATEWAY_PORT']}")
+    assert targets == expected
 
 
 def docker_compose_available() -> bool:
