@@ -18,14 +18,26 @@
 Sharding exists because one consumer can hold at most 65,535 unacked deliveries (AMQP's
 prefetch is 16 bits) and the coordinator keeps every queued request unacked until its result is
 confirmed; N shards let it hold N × 65,535.
+
+For the same reason the shards carry their own consumer timeout (``x-consumer-timeout``, 7 days):
+RabbitMQ closes a channel whose delivery stays unacked longer than its consumer timeout (default
+30 min), and a per-queue timeout (RabbitMQ >= 3.12) spares a shared broker the broker-wide
+``consumer_timeout`` that older brokers need. See "Broker fit" in docs/reliability.md.
 """
 
 from __future__ import annotations
 
+import re
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 import aio_pika
+import aiormq
+import structlog
 from aio_pika.abc import AbstractChannel, AbstractExchange, AbstractQueue
+
+log = structlog.get_logger(__name__)
 
 INGRESS_EXCHANGE = "qlm.ingress"
 DLX_EXCHANGE = "qlm.dlx"
@@ -44,6 +56,16 @@ LIVE_ROUTING_KEY = "coordinator.live"
 # worthless, the next one comes within seconds.
 MODELS_EXCHANGE = "qlm.models"
 SERVED_MODELS_INTERVAL_S = 1.0
+# How long the coordinator may hold a shard's delivery unacked (ms). A request waits in the
+# coordinator's virtual queues (batch-tier requests for up to their deadline) while its delivery
+# stays unacked, so this bounds how long a request may wait; 7 days as the broker-wide setting
+# it replaces did.
+CONSUMER_TIMEOUT_ARG = "x-consumer-timeout"
+CONSUMER_TIMEOUT_MS = 7 * 24 * 3600 * 1000
+# The first RabbitMQ release that honours x-consumer-timeout / the consumer-timeout policy key.
+# Older brokers accept the argument and ignore it (3.10.8 checked), so they still need the
+# broker-wide consumer_timeout.
+PER_QUEUE_CONSUMER_TIMEOUT_SINCE = (3, 12, 0)
 
 # Headers the coordinator adds when it dead-letters a message itself.
 REASON_HEADER = "x-qlm-error-code"
@@ -86,17 +108,17 @@ async def declare_topology(
     )
     await dead.bind(dlx)
     shard_queues = []
+    base = {
+        "x-queue-type": "quorum",
+        "x-single-active-consumer": True,
+        "x-delivery-limit": delivery_limit,
+        "x-dead-letter-exchange": DLX_EXCHANGE,
+    }
+    underlay = await channel.get_underlay_channel()
+    warn_if_no_per_queue_timeout(underlay.connection.server_properties)
     for i in range(shards):
-        q = await channel.declare_queue(
-            shard_queue(i),
-            durable=True,
-            arguments={
-                "x-queue-type": "quorum",
-                "x-single-active-consumer": True,
-                "x-delivery-limit": delivery_limit,
-                "x-dead-letter-exchange": DLX_EXCHANGE,
-            },
-        )
+        arguments = await shard_arguments(_probe_declare(underlay.connection), shard_queue(i), base)
+        q = await channel.declare_queue(shard_queue(i), durable=True, arguments=arguments)
         # Equal weights: the consistent-hash exchange spreads request ids evenly.
         await q.bind(ingress, routing_key="1")
         shard_queues.append(q)
@@ -131,4 +153,79 @@ async def declare_models_exchange(channel: AbstractChannel) -> AbstractExchange:
     """Idempotent; both the coordinator and the gateways declare it, whichever starts first."""
     return await channel.declare_exchange(
         MODELS_EXCHANGE, aio_pika.ExchangeType.FANOUT, durable=True
+    )
+
+
+# --- the shards' consumer timeout ---------------------------------------------------------------
+
+ProbeDeclare = Callable[[str, dict[str, Any]], Awaitable[None]]
+
+
+def _probe_declare(connection: aiormq.abc.AbstractConnection) -> ProbeDeclare:
+    """Declare on a throwaway channel: a refused declaration closes that channel only, not the
+    caller's (a robust channel would reopen and replay its declarations meanwhile)."""
+
+    async def declare(name: str, arguments: dict[str, Any]) -> None:
+        ch = await connection.channel()
+        try:
+            await ch.queue_declare(name, durable=True, arguments=arguments)
+        finally:
+            if not ch.is_closed:
+                await ch.close()
+
+    return declare
+
+
+async def shard_arguments(declare: ProbeDeclare, name: str, base: dict[str, Any]) -> dict[str, Any]:
+    """The arguments to declare shard ``name`` with: ``base`` plus the consumer timeout, unless
+    the queue already exists without it.
+
+    A queue's arguments are fixed at creation, and a broker that checks x-consumer-timeout
+    (>= 3.12) refuses a redeclaration that adds it (PRECONDITION_FAILED). A shard created by an
+    older qlm thus keeps working without the argument; the operator gives it the timeout with
+    a policy instead (docs/reliability.md, "Broker fit"), which applies to existing queues and
+    needs no redeclaration. Any other mismatch (e.g. a changed delivery limit) still fails."""
+    wanted = {**base, CONSUMER_TIMEOUT_ARG: CONSUMER_TIMEOUT_MS}
+    try:
+        await declare(name, wanted)
+    except aiormq.exceptions.ChannelPreconditionFailed as exc:
+        if CONSUMER_TIMEOUT_ARG not in str(exc):
+            raise
+        log.warning(
+            "shard_without_consumer_timeout",
+            queue=name,
+            hint="created by an older qlm: apply the consumer-timeout policy of "
+            "docs/reliability.md or keep the broker-wide consumer_timeout",
+        )
+        return dict(base)
+    return wanted
+
+
+def broker_version(server_properties: dict[str, Any]) -> tuple[int, ...] | None:
+    """The broker's version from its connection properties (``"3.10.8"`` -> (3, 10, 8))."""
+    raw = server_properties.get("version")
+    if isinstance(raw, bytes):
+        raw = raw.decode("ascii", "replace")
+    if not isinstance(raw, str) or (m := re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", raw)) is None:
+        return None
+    return tuple(int(part or 0) for part in m.groups())
+
+
+_warned_old_broker = False
+
+
+def warn_if_no_per_queue_timeout(server_properties: dict[str, Any]) -> None:
+    """Log once per process when the broker ignores x-consumer-timeout: it then needs the
+    broker-wide ``consumer_timeout`` (docker/rabbitmq.conf's fallback) or it closes the
+    coordinator's channels after 30 minutes of holding a request."""
+    global _warned_old_broker
+    version = broker_version(server_properties)
+    if _warned_old_broker or version is None or version >= PER_QUEUE_CONSUMER_TIMEOUT_SINCE:
+        return
+    _warned_old_broker = True
+    log.warning(
+        "broker_without_per_queue_consumer_timeout",
+        version=".".join(map(str, version)),
+        hint="RabbitMQ < 3.12 ignores x-consumer-timeout: set consumer_timeout = 604800000 "
+        "in rabbitmq.conf (docs/reliability.md, Broker fit)",
     )

@@ -9,6 +9,7 @@
 #   scripts/rabbitmq-local.sh management-url   print http://127.0.0.1:PORT/ of the management API
 #   scripts/rabbitmq-local.sh tls-url   print amqps://guest:guest@localhost:PORT/ (see QLM_RABBITMQ_TLS_DIR)
 #   scripts/rabbitmq-local.sh nodename  print the Erlang node name of this state dir
+#   scripts/rabbitmq-local.sh version   print the installed server's version
 #   scripts/rabbitmq-local.sh clean     stop and delete all state (queues and messages too)
 #   scripts/rabbitmq-local.sh ctl ARGS  rabbitmqctl against this node (also: diag, queues)
 #
@@ -159,6 +160,26 @@ pick_ports() {
 	free_ports
 }
 
+# The installed server's version, from its release directory (rabbitmq_server-X.Y.Z): known
+# before the node runs, so the config can depend on it.
+server_version() {
+	local dir
+	for dir in "$RMQ_BIN"/../lib/rabbitmq_server-*; do
+		[[ -d $dir ]] && printf '%s\n' "${dir##*/rabbitmq_server-}" && return 0
+	done
+	return 1
+}
+
+# RabbitMQ < 3.12 ignores the shards' x-consumer-timeout argument: such a broker needs the
+# broker-wide fallback (docker/rabbitmq-pre-3.12.conf). Unknown version: assume old (safe).
+needs_global_consumer_timeout() {
+	local version major minor
+	version="$(server_version)" || return 0
+	IFS=. read -r major minor _ <<<"$version"
+	[[ $major =~ ^[0-9]+$ && $minor =~ ^[0-9]+$ ]] || return 0
+	((major < 3 || (major == 3 && minor < 12)))
+}
+
 write_config() {
 	local amqp mgmt dist tls tls_dir="${QLM_RABBITMQ_TLS_DIR:-}"
 	read -r amqp mgmt dist tls < <(pick_ports "${1:-1}")
@@ -184,6 +205,10 @@ write_config() {
 	fi
 	{
 		cat "$REPO_ROOT/docker/rabbitmq.conf"
+		if needs_global_consumer_timeout; then
+			printf '\n'
+			cat "$REPO_ROOT/docker/rabbitmq-pre-3.12.conf"
+		fi
 		printf '\n# --- appended by scripts/rabbitmq-local.sh: loopback only, private ports ---\n'
 		printf 'listeners.tcp.default = 127.0.0.1:%s\n' "$amqp"
 		printf 'management.tcp.ip = 127.0.0.1\n'
@@ -374,12 +399,13 @@ url) cmd_url ;;
 management-url) cmd_management_url ;;
 tls-url) cmd_tls_url ;;
 nodename) printf '%s\n' "$NODE" ;;
+version) server_version ;;
 clean) cmd_down && rm -rf "$STATE" ;;
 ctl) shift && run_cli rabbitmqctl "$@" ;;
 diag) shift && run_cli rabbitmq-diagnostics "$@" ;;
 queues) shift && run_cli rabbitmq-queues "$@" ;;
 *)
-	echo "usage: $0 up|down|kill|status|url|tls-url|management-url|nodename|clean|ctl ARGS|diag ARGS|queues ARGS" >&2
+	echo "usage: $0 up|down|kill|status|url|tls-url|management-url|nodename|version|clean|ctl ARGS|diag ARGS|queues ARGS" >&2
 	exit 2
 	;;
 esac

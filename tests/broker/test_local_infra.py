@@ -18,6 +18,7 @@ import sqlalchemy as sa
 import yaml
 from sqlalchemy.ext.asyncio import create_async_engine
 
+from qlm.config import Settings
 from qlm.tooling import localbroker
 
 REPO = Path(__file__).resolve().parents[2]
@@ -29,6 +30,7 @@ COMPOSE_ENV = {
     "QLM_RABBITMQ_PASSWORD": "rabbit-secret",
     "QLM_POSTGRES_PASSWORD": "pg-secret",
     "QLM_ADMIN_TOKEN": "admin-secret",
+    "QLM_GATEWAY_API_KEYS": '{"key-a": "tenant-a"}',
 }
 
 
@@ -70,10 +72,12 @@ def command_of(service: dict[str, Any]) -> list[str]:
 def test_compose_defines_a_three_node_rabbitmq_cluster() -> None:
     data = compose()
     services = data["services"]
-    nodes = {
-        name: s for name, s in services.items() if s.get("image") == "rabbitmq:3.10-management"
-    }
+    nodes = {name: s for name, s in services.items() if str(s.get("image")).startswith("rabbitmq:")}
     assert len(nodes) == 3
+    for node in nodes.values():
+        # >= 3.12: the shards' x-consumer-timeout works, so no broker-wide consumer_timeout
+        tag = re.match(r"rabbitmq:(\d+)\.(\d+)", node["image"])
+        assert tag is not None and (int(tag[1]), int(tag[2])) >= (3, 12), node["image"]
     cookies = {s["environment"]["RABBITMQ_ERLANG_COOKIE"] for s in nodes.values()}
     assert cookies == {COMPOSE_ENV["QLM_ERLANG_COOKIE"]}
     hostnames = {s["hostname"] for s in nodes.values()}
@@ -100,16 +104,21 @@ def test_compose_runs_postgres_two_coordinators_and_two_sim_agents() -> None:
     agents = [s for s in services.values() if command_of(s)[:1] == ["agent"]]
     assert len(coordinators) == 2
     assert len(agents) == 2
-    hosts = {
-        urlsplit(s["environment"]["QLM_AMQP_URL"]).hostname
-        for s in services.values()
-        if "QLM_AMQP_URL" in s.get("environment", {})
-    }
     rabbit_hosts = {s.get("hostname") for s in services.values() if "hostname" in s}
-    assert hosts <= rabbit_hosts
+    gateways = [s for s in services.values() if command_of(s)[:1] == ["gateway"]]
+    assert len(gateways) == 1
+    orders = []
+    for svc in coordinators + agents + gateways:
+        # every process gets the whole node list, each in another order (qlm/amqp.py)
+        urls = svc["environment"]["QLM_AMQP_URL"].split(",")
+        assert {urlsplit(u).hostname for u in urls} == rabbit_hosts
+        assert Settings(amqp_url=",".join(urls)).amqp_url  # qlm accepts it
+        orders.append(tuple(urls))
+        for u in urls:
+            assert urlsplit(u).password == COMPOSE_ENV["QLM_RABBITMQ_PASSWORD"]
+    assert len(set(orders)) >= 3
     for svc in coordinators + agents:
         env = svc["environment"]
-        assert urlsplit(env["QLM_AMQP_URL"]).password == COMPOSE_ENV["QLM_RABBITMQ_PASSWORD"]
         assert env["QLM_DATABASE_URL"].startswith("postgresql+asyncpg://qlm:pg-secret@postgres:")
         assert env["QLM_ADMIN_TOKEN"] == COMPOSE_ENV["QLM_ADMIN_TOKEN"]
         assert svc["build"]["dockerfile"] == "docker/Dockerfile"
@@ -118,6 +127,30 @@ def test_compose_runs_postgres_two_coordinators_and_two_sim_agents() -> None:
         assert cmd[cmd.index("--backend") + 1] == "sim"
         assert cmd[cmd.index("--gpu-type") + 1] == "A100-80GB"
         assert cmd[cmd.index("--models") + 1] == "mistral-7b,vicuna-13b"
+
+
+def test_compose_runs_the_gateway_and_prometheus_scraping_every_qlm_process() -> None:
+    services = compose()["services"]
+    (gateway,) = [s for s in services.values() if command_of(s)[:1] == ["gateway"]]
+    env = gateway["environment"]
+    assert env["QLM_GATEWAY_HOST"] == "0.0.0.0"
+    assert env["QLM_GATEWAY_API_KEYS"] == COMPOSE_ENV["QLM_GATEWAY_API_KEYS"]
+    assert gateway["ports"] == [f"127.0.0.1:8000:{env['QLM_GATEWAY_PORT']}"]
+    prometheus = services["prometheus"]
+    assert prometheus["ports"] == ["127.0.0.1:9090:9090"]  # loopback only, like the rest
+    scrape = yaml.safe_load((REPO / "docker" / "prometheus.yml").read_text())
+    targets = {
+        t for job in scrape["scrape_configs"] for sc in job["static_configs"] for t in sc["targets"]
+    }
+    # each coordinator on its admin port, the gateway on its HTTP port, each agent on 9400
+    expected = {
+        f"{name}:{svc['environment'].get('QLM_ADMIN_PORT', 8080)}"
+        for name, svc in services.items()
+        if command_of(svc)[:1] == ["coordinator"]
+    }
+    expected |= {f"{n}:9400" for n, s in services.items() if command_of(s)[:1] == ["agent"]}
+    expected.add(f"gateway:{env['QLM_GATEWAY_PORT']}")
+    assert targets == expected
 
 
 def docker_compose_available() -> bool:
@@ -144,8 +177,12 @@ def test_broker_config_enables_what_the_topology_needs() -> None:
     assert {"rabbitmq_management", "rabbitmq_consistent_hash_exchange"} <= set(
         re.findall(r"[a-z_]+", plugins)
     )
+    # The shards carry their own consumer timeout (qlm/topology.py): the shared config leaves
+    # the broker-wide one alone, and only the fallback for brokers < 3.12 raises it.
     conf = (REPO / "docker" / "rabbitmq.conf").read_text()
-    timeout = re.search(r"^consumer_timeout\s*=\s*(\d+)", conf, re.M)
+    assert re.search(r"^\s*consumer_timeout\b", conf, re.M) is None
+    legacy = (REPO / "docker" / "rabbitmq-pre-3.12.conf").read_text()
+    timeout = re.search(r"^consumer_timeout\s*=\s*(\d+)", legacy, re.M)
     assert timeout is not None and int(timeout.group(1)) >= 24 * 3600 * 1000
 
 
@@ -208,12 +245,20 @@ def test_rabbitmq_script_agrees_with_the_live_node(amqp_url: str) -> None:
     amqp_ports = {entry["port"] for entry in listeners if entry["protocol"] == "amqp"}
     assert amqp_ports == {urlsplit(amqp_url).port}
 
-    expected = re.search(
-        r"^consumer_timeout\s*=\s*(\d+)", (REPO / "docker/rabbitmq.conf").read_text(), re.M
-    )
-    assert expected is not None
+    # Broker-wide consumer timeout only where the per-queue one is ignored (< 3.12).
+    version = run(RABBITMQ_SCRIPT, "version").stdout.strip()
+    major, minor = (int(part) for part in version.split(".")[:2])
     value = run(RABBITMQ_SCRIPT, "ctl", "eval", "application:get_env(rabbit, consumer_timeout).")
-    assert value.stdout.strip() == f"{{ok,{expected.group(1)}}}"
+    if (major, minor) < (3, 12):
+        expected = re.search(
+            r"^consumer_timeout\s*=\s*(\d+)",
+            (REPO / "docker/rabbitmq-pre-3.12.conf").read_text(),
+            re.M,
+        )
+        assert expected is not None
+        assert value.stdout.strip() == f"{{ok,{expected.group(1)}}}"
+    else:
+        assert value.stdout.strip() in ("undefined", "{ok,1800000}")
 
 
 @pytest.mark.broker

@@ -1,4 +1,4 @@
-"""The broker topology on a real RabbitMQ 3.10: sharding, poison handling and redelivery.
+"""The broker topology on a real RabbitMQ (3.10 here): sharding, poison handling and redelivery.
 
 Each test gets its own vhost (``isolated_amqp_url``), so queues never leak between tests.
 """
@@ -7,14 +7,22 @@ from __future__ import annotations
 
 import asyncio
 from typing import Any
+from urllib.parse import quote, unquote, urlsplit
 
 import aio_pika
+import httpx
 import pytest
 from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractQueue
 
+from qlm.tooling import localbroker
 from qlm.topology import (
+    CONSUMER_TIMEOUT_ARG,
+    CONSUMER_TIMEOUT_MS,
+    COORDINATOR_QUEUE,
     DEAD_LETTER_QUEUE,
+    PER_QUEUE_CONSUMER_TIMEOUT_SINCE,
     Topology,
+    broker_version,
     declare_topology,
     shard_queue,
 )
@@ -177,3 +185,89 @@ async def test_an_unacked_delivery_returns_when_its_consumer_connection_closes(
         assert again.headers["x-delivery-count"] == 1
         await again.ack()
         assert sum((await message_counts(channel, [shard.name])).values()) == 0
+
+
+# --- the shards' own consumer timeout (docs/reliability.md, "Broker fit") --------------------
+
+
+def _queue_info(amqp_url: str, name: str) -> dict[str, Any]:
+    parts = urlsplit(amqp_url)
+    vhost = quote(unquote(parts.path[1:]) or "/", safe="")
+    resp = httpx.get(
+        f"{localbroker.management_url(amqp_url)}api/queues/{vhost}/{quote(name, safe='')}",
+        auth=(unquote(parts.username or "guest"), unquote(parts.password or "guest")),
+    )
+    resp.raise_for_status()
+    info: dict[str, Any] = resp.json()
+    return info
+
+
+async def test_the_shards_carry_their_own_consumer_timeout(isolated_amqp_url: str) -> None:
+    """The broker accepts the argument and keeps it on every shard (on < 3.12 it is stored but
+    not enforced: that broker needs docker/rabbitmq-pre-3.12.conf)."""
+    async with await aio_pika.connect(isolated_amqp_url) as conn:
+        await declare_topology(await conn.channel(), shards=SHARDS)
+    for i in range(SHARDS):
+        args = _queue_info(isolated_amqp_url, shard_queue(i))["arguments"]
+        assert args[CONSUMER_TIMEOUT_ARG] == CONSUMER_TIMEOUT_MS
+        assert args["x-delivery-limit"] == 20  # the rest unchanged
+    # The control queues hold nothing for long: they keep the broker's default.
+    assert (
+        CONSUMER_TIMEOUT_ARG not in _queue_info(isolated_amqp_url, COORDINATOR_QUEUE)["arguments"]
+    )
+
+
+async def test_shards_of_an_older_qlm_without_the_argument_keep_working(
+    isolated_amqp_url: str,
+) -> None:
+    """A shard created before the argument existed: declare_topology neither fails nor
+    changes it (a >= 3.12 broker refuses to add the argument; the policy does that)."""
+    old_args = {
+        "x-queue-type": "quorum",
+        "x-single-active-consumer": True,
+        "x-delivery-limit": 20,
+        "x-dead-letter-exchange": "qlm.dlx",
+    }
+    async with await aio_pika.connect(isolated_amqp_url) as conn:
+        setup = await conn.channel()
+        for i in range(SHARDS):
+            await setup.declare_queue(shard_queue(i), durable=True, arguments=old_args)
+        channel = await conn.channel()
+        topo = await declare_topology(channel, shards=SHARDS)
+        assert not channel.is_closed
+        await topo.ingress.publish(persistent(b"{}", "after-upgrade"), routing_key="after-upgrade")
+        await wait_for_total(channel, [q.name for q in topo.shards], 1)
+    for i in range(SHARDS):
+        args = _queue_info(isolated_amqp_url, shard_queue(i))["arguments"]
+        assert CONSUMER_TIMEOUT_ARG not in args  # as created: arguments never change
+        assert args["x-delivery-limit"] == 20
+
+
+async def test_a_short_per_queue_consumer_timeout_closes_the_holding_channel(
+    isolated_amqp_url: str,
+) -> None:
+    """What the argument does: a consumer holding a delivery past the queue's timeout loses
+    its channel and the delivery goes back to the queue, on this queue only."""
+    async with await aio_pika.connect(isolated_amqp_url) as conn:
+        assert conn.transport is not None
+        version = broker_version(conn.transport.connection.server_properties)
+        if version is None or version < PER_QUEUE_CONSUMER_TIMEOUT_SINCE:
+            pytest.skip(f"RabbitMQ {version} ignores x-consumer-timeout (needs >= 3.12)")
+        holder = await conn.channel()
+        queue = await holder.declare_queue(
+            "probe.timeout",
+            durable=True,
+            arguments={"x-queue-type": "quorum", CONSUMER_TIMEOUT_ARG: 1000},
+        )
+        held: list[AbstractIncomingMessage] = []
+        await queue.consume(held.append, no_ack=False)
+        await holder.default_exchange.publish(persistent(b"x", "held"), routing_key=queue.name)
+        # The broker checks timeouts on its channel tick (every 60 s by default).
+        try:
+            await asyncio.wait_for(holder.closed(), 90)
+        except TimeoutError:
+            pytest.fail("the channel outlived the queue's consumer timeout")
+        assert held, "the message was never delivered"
+        assert not conn.is_closed  # the channel, not the connection
+        counts = await wait_for_total(await conn.channel(), [queue.name], 1)
+        assert counts == {queue.name: 1}  # the held delivery went back to the queue
