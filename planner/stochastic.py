@@ -220,6 +220,9 @@ class _Tables:
     occ: np.ndarray  # (n, I) occupancy: what it adds to the wait of those behind it (eq. 2)
     occ_var: np.ndarray  # (n, I) its variance
     own: np.ndarray  # (n, I) prefill + decode at the length bound, once started (eqs. 1, 4)
+    # (n, I) the same at the mean length: what the plan predicts (RCT), while feasibility and
+    # the order are judged at the bound
+    own_mean: np.ndarray
     lst: np.ndarray  # (n, I) latest start that meets every deadline (-inf: not served there)
     switch: np.ndarray  # (I, M) loading each model
     swap: np.ndarray  # (I, M) a new run of each model: the drain before it and the load
@@ -977,6 +980,7 @@ class QLMPolicy(QueuePolicy):
         occ = np.full((n, n_inst), np.inf)
         occ_var = np.zeros((n, n_inst))
         own = np.full((n, n_inst), np.inf)
+        own_mean = np.full((n, n_inst), np.inf)
         lst = np.full((n, n_inst), -np.inf)
         shot_lst = np.full((n, n_inst), -np.inf)  # at the long-shot bound
         chance = np.zeros((n, n_inst))  # P(output fits the time left if started now)
@@ -991,6 +995,7 @@ class QLMPolicy(QueuePolicy):
             q = lat[(g, m)]
             pre = q.prefill_fixed_s + q.prefill_s_per_token * prompt
             own[sel, g] = pre + priced.out_bound[sel] * q.token_time_s
+            own_mean[sel, g] = pre + priced.out_mean[sel] * q.token_time_s
             lst[sel, g] = np.minimum(priced.e2e[sel] - own[sel, g], priced.ttft[sel] - pre)
             shot = pre + priced.out_shot[sel] * q.token_time_s
             shot_lst[sel, g] = np.minimum(priced.e2e[sel] - shot, priced.ttft[sel] - pre)
@@ -1056,6 +1061,7 @@ class QLMPolicy(QueuePolicy):
             occ,
             occ_var,
             own,
+            own_mean,
             lst,
             switch,
             swap,
@@ -1141,7 +1147,7 @@ class QLMPolicy(QueuePolicy):
     ) -> tuple[list[list[int]], dict[str, float], dict[str, tuple[Any, ...]]]:
         """The queues (kept work, then the tail spread over the least busy eligible
         instances: still-feasible requests by latest start, then the hopeless FCFS), their
-        predicted completions (s from now) and sort keys."""
+        predicted completions (s from now, at the mean length) and sort keys."""
         reqs = priced.reqs
         models = self._models
         n_inst = len(chosen.lanes)
@@ -1173,7 +1179,7 @@ class QLMPolicy(QueuePolicy):
                 continue
             m = int(tab.model_idx[k])
             g = min(ok, key=lambda g: (end[g] + (0.0 if m in present[g] else tab.swap[g, m]), g))
-            done[reqs[k].request_id] = end[g] + float(tab.own[k, g])
+            done[reqs[k].request_id] = end[g] + float(tab.own_mean[k, g])
             end[g] += float(tab.occ[k, g])
             present[g].add(m)
             tails[g].append(k)
@@ -1186,7 +1192,7 @@ class QLMPolicy(QueuePolicy):
             for pos, k in enumerate(head):
                 rid = reqs[k].request_id
                 keys[rid] = (FEASIBLE, float(due[pos]), pos, int(priced.seq[k]))
-                done[rid] = float(timing[g].start[pos]) + float(tab.own[k, g])
+                done[rid] = float(timing[g].start[pos]) + float(tab.own_mean[k, g])
             # the tail in model runs: first the model the kept work ends with (or the one
             # loaded), then the others in the order their first request comes
             last = int(tab.model_idx[head[-1]]) if head else int(tab.init_model[g])

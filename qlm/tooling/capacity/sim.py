@@ -484,6 +484,9 @@ def run_capacity_scenario(
         "policies": results,
         "timelines": timelines,
         "wall_s": round(time.perf_counter() - started, 1),
+        # the diurnal day's requests carry their true output as max_tokens (diurnal.py): the
+        # capacity policies size fleets from token rates, and the request planner sees it too
+        "clairvoyant_max_tokens": True,
     }
     summary["checks"] = capacity_checks(results)
     return summary
