@@ -8,9 +8,11 @@ is still predicted to be fast enough for it and for every request already runnin
 where f(L) is the per-request decode speed (tokens/s) with L requests running and
 reqSpd(r, t) = remaining tokens / (deadline - t). A request's reqSpd is frozen when it is
 admitted (as SABER does). A request that cannot make its deadline even alone,
-reqSpd > f(1), or whose deadline passed, is *best effort*: it is still pulled, but only while
-it does not slow a running request below its frozen speed (SABER serves its low-priority queue
-only when the high-priority one is empty; here the plan's order decides who is pulled first).
+reqSpd > f(1), or whose deadline passed, is *best effort*: it waits in a tier of its own, served
+only when the high-priority queue is empty, as SABER serves its low-priority queue: nothing
+in time is held and the coordinator left credit this agent granted unused (it had nothing
+in time to send), and, unless ``strict``, only while it slows no running request below its
+frozen speed.
 
 f(L) comes from the engine performance model here; a measured USL fit (``qlm profile``) can
 replace it: the gate only needs a callable. :meth:`SLOAdmissionGate.admits_in_time` is
@@ -29,7 +31,6 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 GATE_WINDOW = 8  # how far into the dispatched requests it holds back the gate looks
-BEST_EFFORT_HELD_MAX = 32  # demoted requests an agent holds before it stops pulling
 UNBOUNDED_CREDIT = 1 << 30  # credit an agent without a queue manager keeps granted
 
 R = TypeVar("R")
@@ -147,14 +148,15 @@ class PullAdmission(Generic[R]):
     coordinator and not yet used (``owed``), the dispatches received, and - with an SLO gate -
     the dispatched requests held back until the gate admits them (in dispatch order, which is
     the virtual queue's), those that can no longer meet their deadline (best effort, served
-    only when nothing else is held) and the frozen required speed of each request in the
-    engine. The live agent (:mod:`qlm.agents.agent`) and the simulator's agents both keep one per
-    engine, so the pull and admission rules exist once.
+    only when nothing in time is held and the coordinator leaves granted credit unused) and
+    the frozen required speed of each request in the engine. The live agent
+    (:mod:`qlm.agents.agent`) and the simulator's agents both keep one per engine, so the pull
+    and admission rules exist once.
 
     ``need(r, now)`` is r's required speed (:func:`required_speed` of what it has left);
     ``key(r)`` its request id. ``strict`` with an ``rng`` is SABER's Algorithm 1 as the paper
     states it: a random pick inside the window, :meth:`SLOAdmissionGate.admits_in_time`, and
-    best-effort requests handed over unchecked when nothing else is held."""
+    best-effort requests handed over unchecked when the high-priority queue is empty."""
 
     gate: SLOAdmissionGate | None
     need: Callable[[R, float], float]
@@ -177,14 +179,13 @@ class PullAdmission(Generic[R]):
     def credit_wanted(self, engine_wants: int) -> int:
         """Credit to grant now, given how many requests the engine wants: what it wants less
         what is owed; with a gate, only enough to keep ``window`` requests held for it to
-        choose from, and none while demoted requests pile up."""
+        choose from. Demoted requests do not stop it: the requests in time behind them are
+        SABER's high-priority queue, and the demoted wait until it is empty."""
         if self.unbounded:
             return max(0, UNBOUNDED_CREDIT - self.owed)
         want = engine_wants - self.owed
         if self.gate is not None:
             want = min(want, self.window - len(self.held))
-            if len(self.best_effort) >= BEST_EFFORT_HELD_MAX:
-                want = 0
         return max(0, want)
 
     def granted(self, credit: int) -> None:
@@ -223,8 +224,8 @@ class PullAdmission(Generic[R]):
         wants work, hand it a held request only if the predicted per-request speed with one
         more running still meets that request's required speed and every running request's
         frozen one. Requests that cannot make their deadline even alone move to the best-effort
-        tier, served only when no other request is held (and, unless ``strict``, only while
-        they slow no running request below its need)."""
+        tier, served only when the high-priority queue is empty (:meth:`in_time_queue_empty`)
+        and, unless ``strict``, only while they slow no running request below its need."""
         gate = self.gate
         if gate is None:
             return
@@ -244,8 +245,8 @@ class PullAdmission(Generic[R]):
             chosen = self._choose(gate, running, floor, now)
             if (
                 chosen is None
-                and not self.held
                 and self.best_effort
+                and self.in_time_queue_empty()
                 and (self.strict or gate.speed(running + 1) >= floor)
             ):
                 chosen = self.best_effort.popleft()
@@ -255,6 +256,14 @@ class PullAdmission(Generic[R]):
             self._freeze(self.key(chosen), 0.0 if gate.best_effort(speed) else speed)
             floor = max(floor, self.frozen[self.key(chosen)])
             submit(chosen)
+
+    def in_time_queue_empty(self) -> bool:
+        """SABER's high-priority queue is empty: no request in time is held here, and the
+        coordinator left credit this agent granted unused, so it has none in time to send.
+        An empty held window alone is not enough: the virtual queue behind it may hold many
+        requests in time, and best-effort ones admitted meanwhile would slow them below their
+        speed (they then miss too, are demoted in turn, and the gate stops protecting anyone)."""
+        return not self.held and self.owed > 0
 
     def _choose(self, gate: SLOAdmissionGate, running: int, floor: float, now: float) -> R | None:
         window = list(self.held)[: self.window]

@@ -160,6 +160,8 @@ async def test_saber_gate_holds_back_demotes_and_frees_on_completion() -> None:
         await asyncio.sleep(0.05)
         assert "b" in inst.admission.frozen and not inst.admission.held
         # ... but "late" would slow "b" to 50 < 70 tok/s: best effort never intrudes
+        inst.admission.granted(1)  # the pull loop's credit, which the coordinator leaves unused
+        agent._admit(inst)
         assert [r.request_id for r in inst.admission.best_effort] == ["late"]
         await engine.abort("b")
         inst.admission.forget("b")

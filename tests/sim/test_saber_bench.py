@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from qlm.admission import SLOAdmissionGate, USLSpeedModel
+from qlm.admission import PullAdmission, SLOAdmissionGate, USLSpeedModel
 from qlm.engine_model import get_profile
 from qlm.planner import create_policy
 from qlm.tooling.simulator.cluster import ClusterSimulator, InstanceSpec, LSOSwitches, SimConfig
@@ -104,6 +104,51 @@ def test_requests_become_hopeless_while_they_wait_and_are_demoted_then() -> None
     assert sim.demoted == 1
     assert short.started_s is not None and long_.finished_s is not None
     assert short.started_s >= long_.finished_s - 1e-9
+
+
+def test_demoted_requests_wait_for_requests_in_time_still_in_the_virtual_queue() -> None:
+    # the agent holds one dispatched request at a time (window 1), so the requests in time
+    # wait in the coordinator's virtual queue, not in the agent: an empty held window is not
+    # SABER's empty high-priority queue
+    f = USLSpeedModel(lam=100.0, sigma=0.5, kappa=0.0)  # f(1)=100, f(2)=66.7, f(3)=50
+    reqs = [
+        _req("hopeless", 0.0, 1000, 2.0),  # needs 500 > f(1): demoted
+        _req("a", 0.0, 120, 2.0),  # needs 60: f(2) = 66.7 meets it, f(3) = 50 does not
+        _req("b", 0.0, 60, 2.0),  # needs 30
+    ]
+    config = SimConfig(
+        lso=LSOSwitches(slo_pull=True),
+        pull_gate="saber",
+        speed_models={"i0": {MODEL: f}},
+        saber_window=1,
+        drain_s=120.0,
+    )
+    spec = InstanceSpec("i0", "A100-80GB", (MODEL,))
+    sim = ClusterSimulator([spec], create_policy("fcfs"), reqs, config)
+    sim.run()
+    jobs = sim.jobs
+    assert sim.demoted == 1
+    assert all(j.finished_s is not None for j in jobs.values())
+    # "a" and "b" start at once, together; the demoted request only once they are in
+    assert jobs["a"].started_s == 0.0 and jobs["b"].started_s == 0.0
+    a_in, b_in = (jobs[r].finished_s for r in ("a", "b"))
+    assert a_in is not None and a_in <= 2.0 and b_in is not None and b_in <= 2.0
+
+
+def test_the_best_effort_tier_waits_until_the_coordinator_leaves_credit_unused() -> None:
+    gate = SLOAdmissionGate(USLSpeedModel(lam=100.0, sigma=0.5, kappa=0.0))
+    adm: PullAdmission[tuple[str, float]] = PullAdmission(
+        gate, need=lambda r, now: r[1], key=lambda r: r[0], window=1, strict=True
+    )
+    engine: list[str] = []
+    adm.granted(adm.credit_wanted(8))
+    adm.on_dispatch(("late", 500.0), engine.append)  # the credit is used: more may follow
+    adm.admit(lambda: 8, lambda r: engine.append(r[0]), 0.0)
+    assert engine == [] and [r[0] for r in adm.best_effort] == ["late"]
+    adm.granted(adm.credit_wanted(8))  # granted, and nothing comes: no request in time waits
+    assert adm.in_time_queue_empty()
+    adm.admit(lambda: 8, lambda r: engine.append(r[0]), 0.0)
+    assert engine == ["late"] and adm.frozen == {"late": 0.0}
 
 
 def test_the_saber_gate_needs_a_speed_model() -> None:

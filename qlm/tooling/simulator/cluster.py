@@ -607,7 +607,10 @@ class ClusterSimulator:
 
     def _pull(self, inst: SimInstance) -> None:
         """The agent's pull loop for one engine: the gate admits what it holds, then credit
-        for what the engine wants goes to the coordinator, which dispatches."""
+        for what the engine wants goes to the coordinator, which dispatches. A dispatch wakes
+        the live agent's loop at once, so it runs again until the coordinator sends nothing;
+        its last pass admits with the credit left unused (the coordinator's queue for this
+        engine is empty: the gate's best-effort tier may go)."""
         iid = inst.instance_id
         agent = self.agents.get(iid)
         if agent is None:
@@ -615,20 +618,30 @@ class ClusterSimulator:
         model = inst.active_model
         if self._saber and model is not None and model in self.config.speed_models[iid]:
             agent.gate = SLOAdmissionGate(self._speed(iid, model))  # f(L) of the model it runs
-        batch: list[SimJob] = []
-        agent.admit(inst.wants, batch.append, self.now)
-        if batch:
-            inst.enqueue(batch, self.now)
-        if iid not in self.instances:
-            return  # draining: it pulls nothing new
-        want = agent.credit_wanted(inst.wants())
-        if want > 0:
-            agent.granted(want)
-            self.core.on_pull(iid, want)
-        self._dispatch(iid)
+        while True:
+            batch: list[SimJob] = []
+            agent.admit(inst.wants, batch.append, self.now)
+            if batch:
+                inst.enqueue(batch, self.now)
+            if iid not in self.instances:
+                return  # draining: it pulls nothing new
+            want = agent.credit_wanted(inst.wants())
+            if want > 0:
+                agent.granted(want)
+                self.core.on_pull(iid, want)
+            received = agent.received
+            self._dispatch(iid, wake=False)
+            if agent.gate is None or agent.received == received:
+                break
+        if agent.gate is not None and agent.best_effort and agent.owed > 0:
+            batch = []
+            agent.admit(inst.wants, batch.append, self.now)
+            if batch:
+                inst.enqueue(batch, self.now)
 
-    def _dispatch(self, instance_id: str | None = None) -> None:
-        """The coordinator hands queued requests to instances holding credit."""
+    def _dispatch(self, instance_id: str | None = None, *, wake: bool = True) -> None:
+        """The coordinator hands queued requests to instances holding credit. With a gate, a
+        dispatch wakes the agent's pull loop (``wake``; :meth:`_pull` itself does not)."""
         delivered: dict[str, list[SimJob]] = {}
         for order in self.core.next_dispatches(self.now, instance_id):
             job = self.jobs[order.tracked.request_id]
@@ -642,6 +655,9 @@ class ClusterSimulator:
                 inst.enqueue(batch, self.now)
             agent = self.agents[iid]
             if agent.gate is not None:
+                if wake:
+                    self._pull(inst)
+                    continue
                 batch = []
                 agent.admit(inst.wants, batch.append, self.now)
                 if batch:
