@@ -48,6 +48,22 @@ def configure_logging(level: str = "info", fmt: str = "json", component: str | N
         structlog.contextvars.bind_contextvars(component=component)
     # aio-pika/aiormq use stdlib logging; keep their warnings, drop their debug chatter.
     logging.basicConfig(level=max(lvl, logging.WARNING), stream=sys.stderr)
+    _quiet_connect_failures()
+
+
+class _DropConnectFailures(logging.Filter):
+    """aiormq logs an ERROR for every failed connection attempt, and the failure then reaches
+    its caller anyway: the CLI prints it as one line, services log ``amqp_connection_lost``.
+    The duplicate (an unformatted stdlib line amid JSON logs) is dropped."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("error when creating transport")
+
+
+def _quiet_connect_failures() -> None:
+    target = logging.getLogger("aiormq.connection")
+    if not any(isinstance(f, _DropConnectFailures) for f in target.filters):
+        target.addFilter(_DropConnectFailures())
 
 
 _gc_watched = False
