@@ -30,7 +30,9 @@ admin_app = typer.Typer(
     help="Operate a running coordinator through its admin API.", no_args_is_help=True
 )
 bench_app = typer.Typer(help="Benchmarks (results go to docs/benchmarks.md).", no_args_is_help=True)
+config_app = typer.Typer(help="The QLM_* settings.", no_args_is_help=True)
 app.add_typer(admin_app, name="admin")
+app.add_typer(config_app, name="config")
 app.add_typer(bench_app, name="bench")
 register_gateway(app)
 
@@ -870,6 +872,22 @@ def schema() -> None:
     from qlm.types import protocol_json_schema
 
     typer.echo(json.dumps(protocol_json_schema(), indent=2, sort_keys=True))
+
+
+@config_app.command("docs")
+def config_docs(
+    write: Annotated[
+        Path | None, typer.Option(help="write the page here (docs/configuration.md)")
+    ] = None,
+) -> None:
+    """Every QLM_* variable (type, default, meaning) as Markdown, from the settings classes."""
+    from qlm.tooling.config_docs import configuration_markdown
+    from qlm.tooling.config_docs import write as write_page
+
+    if write is None:
+        typer.echo(configuration_markdown(), nl=False)
+    elif write_page(write):
+        typer.echo(f"wrote {write}")
 
 
 # ---------------------------------------------------------------------- admin
