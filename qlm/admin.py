@@ -61,6 +61,15 @@ class AdminBackend(Protocol):
         """Stop dispatching to the instance and move its queue away; KeyError if unknown."""
         ...
 
+    async def undrain(self, instance_id: str) -> dict[str, Any]:
+        """Take a draining instance back into service; KeyError if unknown."""
+        ...
+
+    async def cancel(self, request_id: str, reason: str | None = None) -> dict[str, Any]:
+        """Cancel a request as its producer would (one ``cancelled`` reply); KeyError if the
+        coordinator neither tracks nor answered it."""
+        ...
+
     def capacity_status(self) -> dict[str, Any] | None:
         """The autoscaler's state and its recent decisions; None when none runs."""
         ...
@@ -193,6 +202,26 @@ class DrainResponse(_Open):
     instance_id: str
     moved: int = Field(description="requests moved off the instance's virtual queue")
     status: Literal["draining"]
+
+
+class UndrainResponse(_Open):
+    instance_id: str
+    status: Literal["alive", "lost"] = Field(
+        description="alive: dispatching again; lost: its agent must re-register first"
+    )
+
+
+class CancelRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    reason: str | None = Field(default=None, max_length=256)
+
+
+class CancelResponse(_Open):
+    request_id: str
+    outcome: Literal["cancelled", "stopping", "answered"] = Field(
+        description="cancelled: answered `cancelled` now; stopping: running, evicted, answered "
+        "`cancelled` unless its result comes first; answered: too late, it has its reply"
+    )
 
 
 # ---- errors ---------------------------------------------------------------------------------
@@ -454,6 +483,44 @@ def create_admin_app(
         except KeyError:
             raise _ApiError(404, "instance_not_found", f"no instance {instance_id!r}") from None
         log.info("admin_drain", instance_id=instance_id, moved=result.get("moved"))
+        return result
+
+    @v1.post(
+        "/instances/{instance_id}/undrain",
+        response_model=UndrainResponse,
+        responses={
+            404: {"model": ErrorResponse, "description": "unknown instance"},
+            503: {"model": ErrorResponse, "description": "coordinator not active"},
+        },
+        tags=["control"],
+    )
+    async def undrain(instance_id: str = Path(min_length=1, max_length=256)) -> dict[str, Any]:
+        try:
+            result = await backend.undrain(instance_id)
+        except KeyError:
+            raise _ApiError(404, "instance_not_found", f"no instance {instance_id!r}") from None
+        log.info("admin_undrain", instance_id=instance_id, status=result.get("status"))
+        return result
+
+    @v1.post(
+        "/requests/{request_id}/cancel",
+        response_model=CancelResponse,
+        responses={
+            400: {"model": ErrorResponse, "description": "the body is not JSON"},
+            404: {"model": ErrorResponse, "description": "unknown request"},
+            503: {"model": ErrorResponse, "description": "coordinator not active"},
+        },
+        tags=["control"],
+    )
+    async def cancel(
+        request_id: str = Path(min_length=1, max_length=256),
+        body: CancelRequest | None = None,
+    ) -> dict[str, Any]:
+        try:
+            result = await backend.cancel(request_id, body.reason if body else None)
+        except KeyError:
+            raise _ApiError(404, "request_not_found", f"no request {request_id!r}") from None
+        log.info("admin_cancel", request_id=request_id, outcome=result.get("outcome"))
         return result
 
     app.include_router(v1)

@@ -31,12 +31,17 @@ from urllib.parse import quote, unquote, urlsplit
 import aio_pika
 import aiormq
 import pamqp.decode
-import structlog
 from aio_pika.abc import AbstractExchange, AbstractRobustConnection
 from aio_pika.robust_connection import RobustConnection
 from yarl import URL
 
-log = structlog.get_logger(__name__)
+from qlm.logging import LibraryLogger, quiet_connect_failures
+
+# silent unless the program configures logging: this module runs in users' programs
+log = LibraryLogger(__name__)
+# a failed connect raises to its caller; aiormq's own ERROR line for it would be a second
+# report, printed into the user's program by logging's last-resort handler
+quiet_connect_failures()
 
 
 # ------------------------------------------------------------------ hostile AMQP properties

@@ -4,7 +4,6 @@ and ``agents`` packages (imported lazily inside the commands that need them)."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import signal
@@ -24,12 +23,16 @@ app = typer.Typer(
     help="qlm: SLO-aware durable queue manager for LLM serving.",
     no_args_is_help=True,
     add_completion=False,
+    # main() turns errors into one line (qlm/tooling/cli_errors.py); --debug for tracebacks
+    pretty_exceptions_enable=False,
 )
 admin_app = typer.Typer(
     help="Operate a running coordinator through its admin API.", no_args_is_help=True
 )
 bench_app = typer.Typer(help="Benchmarks (results go to docs/benchmarks.md).", no_args_is_help=True)
+config_app = typer.Typer(help="The QLM_* settings.", no_args_is_help=True)
 app.add_typer(admin_app, name="admin")
+app.add_typer(config_app, name="config")
 app.add_typer(bench_app, name="bench")
 register_gateway(app)
 
@@ -788,6 +791,7 @@ def submit(
     timeout: Annotated[float, typer.Option(help="seconds to wait for the last reply")] = 300.0,
     json_out: Annotated[Path | None, typer.Option("--json", help="write the report here")] = None,
     seed: Annotated[int, typer.Option()] = 0,
+    progress: Annotated[bool, typer.Option(help="replies received, on a terminal")] = True,
 ) -> None:
     """Publish requests (replaying arrival times for traces), wait for every reply, report."""
     s = _settings()
@@ -803,7 +807,9 @@ def submit(
         id_prefix=f"submit-{uuid.uuid4().hex[:8]}",
         seed=seed,
     )
-    report = asyncio.run(run_replay(s.amqp_url, timed, speedup=speedup, timeout=timeout))
+    report = asyncio.run(
+        run_replay(s.amqp_url, timed, speedup=speedup, timeout=timeout, progress=progress)
+    )
     typer.echo(report.format_table())
     if json_out:
         json_out.write_text(json.dumps(report.to_json(), indent=2))
@@ -828,6 +834,7 @@ def demo(
             "host) serving a tiny Llama generated under .qlm/tiny-llama"
         ),
     ] = "sim",
+    progress: Annotated[bool, typer.Option(help="replies received, on a terminal")] = True,
 ) -> None:
     """Local broker + coordinator + agents (simulated A100s, or real vLLM) + a real Azure
     trace slice; prints the results table."""
@@ -853,6 +860,7 @@ def demo(
             policy=policy,
             trace_start=trace_start,
             vllm_model_dir=model_dir,
+            progress=progress,
         )
     )
     raise typer.Exit(code)
@@ -866,57 +874,166 @@ def schema() -> None:
     typer.echo(json.dumps(protocol_json_schema(), indent=2, sort_keys=True))
 
 
-# ---------------------------------------------------------------------- admin
-def _admin_call(method: str, path: str) -> Any:
-    import httpx
+@config_app.command("docs")
+def config_docs(
+    write: Annotated[
+        Path | None, typer.Option(help="write the page here (docs/configuration.md)")
+    ] = None,
+) -> None:
+    """Every QLM_* variable (type, default, meaning) as Markdown, from the settings classes."""
+    from qlm.tooling.config_docs import configuration_markdown
+    from qlm.tooling.config_docs import write as write_page
 
-    s = _settings()
-    base = os.environ.get("QLM_ADMIN_URL", f"http://{s.admin_host}:{s.admin_port}")
-    token = s.admin_token.get_secret_value() if s.admin_token else ""
+    if write is None:
+        typer.echo(configuration_markdown(), nl=False)
+    elif write_page(write):
+        typer.echo(f"wrote {write}")
+
+
+# ---------------------------------------------------------------------- admin
+AdminUrl = Annotated[
+    str | None,
+    typer.Option(
+        "--url",
+        envvar="QLM_ADMIN_URL",
+        help="the admin API (QLM_ADMIN_URL; default http://QLM_ADMIN_HOST:QLM_ADMIN_PORT)",
+        show_envvar=False,
+    ),
+]
+AdminToken = Annotated[
+    str | None,
+    typer.Option(
+        "--token",
+        envvar="QLM_ADMIN_TOKEN",
+        help="admin (or read) token (QLM_ADMIN_TOKEN)",
+        show_envvar=False,
+    ),
+]
+OutputOption = Annotated[
+    str | None,
+    typer.Option(
+        "--output",
+        "-o",
+        help="table | json | yaml (default: table on a terminal, json otherwise); "
+        "json/yaml are the API's bodies, unix times included",
+    ),
+]
+
+
+def _admin(
+    url: str | None,
+    token: str | None,
+    output: str | None,
+    method: str,
+    path: str,
+    body: dict[str, Any] | None = None,
+    columns: list[str] | None = None,
+    shape: Any = None,
+) -> None:
+    """One admin API call, its answer printed as ``output`` asks."""
+    from qlm.tooling.admin_cli import AdminClient, OutputFormat, default_format, render
+
+    try:
+        fmt = OutputFormat(output) if output else default_format()
+    except ValueError:
+        raise typer.BadParameter(
+            f"{output!r}: expected table, json or yaml", param_hint="'--output'"
+        ) from None
+    if url is None:
+        # not _settings(): only the admin host and port matter here, and a bad QLM_AMQP_URL
+        # must not stop an operator from reading the admin API
+        host = os.environ.get("QLM_ADMIN_HOST", "127.0.0.1")
+        url = f"http://{host}:{os.environ.get('QLM_ADMIN_PORT', '8080')}"
     # QLM_ADMIN_CA: the CA that signed an HTTPS admin API's certificate (e.g. self-signed)
-    verify: str | bool = os.environ.get("QLM_ADMIN_CA") or True
-    r = httpx.request(
-        method,
-        base + path,
-        headers={"Authorization": f"Bearer {token}"},
-        timeout=30,
-        verify=verify,
-    )
-    if r.status_code >= 400:
-        typer.echo(f"error {r.status_code}: {r.text}", err=True)
-        raise typer.Exit(1)
-    typer.echo(json.dumps(r.json(), indent=2))
-    return r.json()
+    client = AdminClient(url, token, os.environ.get("QLM_ADMIN_CA"))
+    data = client.call(method, path, body)
+    if fmt is OutputFormat.table and shape is not None:
+        data = shape(data)
+    text = render(data, fmt, columns)
+    if text is not None:
+        typer.echo(text)
 
 
 @admin_app.command("instances")
-def admin_instances() -> None:
-    """List instances (QLM_ADMIN_URL, QLM_ADMIN_TOKEN)."""
-    _admin_call("GET", "/v1/instances")
+def admin_instances(
+    url: AdminUrl = None, token: AdminToken = None, output: OutputOption = None
+) -> None:
+    """List instances: status, model, load, KV use, last heartbeat."""
+    cols = ["instance_id", "agent_id", "gpu_type", "models", "status", "active_model"]
+    cols += ["running", "waiting", "queued", "kv_used_tokens", "kv_capacity_tokens", "last_seen"]
+    _admin(url, token, output, "GET", "/v1/instances", columns=cols)
 
 
 @admin_app.command("queues")
-def admin_queues() -> None:
-    """Show each virtual queue in order."""
-    _admin_call("GET", "/v1/queues")
+def admin_queues(
+    limit: Annotated[int, typer.Option(min=0, help="requests shown per queue")] = 1000,
+    url: AdminUrl = None,
+    token: AdminToken = None,
+    output: OutputOption = None,
+) -> None:
+    """Show each virtual queue in order (a table: depth and the first requests in line)."""
+    from qlm.tooling.admin_cli import queue_rows
+
+    _admin(url, token, output, "GET", f"/v1/queues?limit={limit}", shape=queue_rows)
 
 
 @admin_app.command("request")
-def admin_request(request_id: str) -> None:
+def admin_request(
+    request_id: str, url: AdminUrl = None, token: AdminToken = None, output: OutputOption = None
+) -> None:
     """Show one request's state and history."""
-    _admin_call("GET", f"/v1/requests/{request_id}")
+    _admin(url, token, output, "GET", f"/v1/requests/{_segment(request_id)}")
+
+
+@admin_app.command("plan")
+def admin_plan(url: AdminUrl = None, token: AdminToken = None, output: OutputOption = None) -> None:
+    """Show the latest plan: policy, queue lengths, feasibility, scale-up advice, LSOs."""
+    _admin(url, token, output, "GET", "/v1/plan")
 
 
 @admin_app.command("replan")
-def admin_replan() -> None:
+def admin_replan(
+    url: AdminUrl = None, token: AdminToken = None, output: OutputOption = None
+) -> None:
     """Replan every queued request now."""
-    _admin_call("POST", "/v1/replan")
+    _admin(url, token, output, "POST", "/v1/replan")
 
 
 @admin_app.command("drain")
-def admin_drain(instance_id: str) -> None:
+def admin_drain(
+    instance_id: str, url: AdminUrl = None, token: AdminToken = None, output: OutputOption = None
+) -> None:
     """Stop dispatching to an instance and move its queue elsewhere."""
-    _admin_call("POST", f"/v1/instances/{instance_id}/drain")
+    _admin(url, token, output, "POST", f"/v1/instances/{_segment(instance_id)}/drain")
+
+
+@admin_app.command("undrain")
+def admin_undrain(
+    instance_id: str, url: AdminUrl = None, token: AdminToken = None, output: OutputOption = None
+) -> None:
+    """Take a drained instance back into service."""
+    _admin(url, token, output, "POST", f"/v1/instances/{_segment(instance_id)}/undrain")
+
+
+@admin_app.command("cancel")
+def admin_cancel(
+    request_id: str,
+    reason: Annotated[str | None, typer.Option(help="said in the cancelled reply")] = None,
+    url: AdminUrl = None,
+    token: AdminToken = None,
+    output: OutputOption = None,
+) -> None:
+    """Cancel a request (any tenant's): its producer gets one `cancelled` reply, or its result
+    if it finishes first."""
+    body = {"reason": reason} if reason else None
+    _admin(url, token, output, "POST", f"/v1/requests/{_segment(request_id)}/cancel", body)
+
+
+def _segment(value: str) -> str:
+    """An id as one URL path segment (an id with '/' or '?' must not become another path)."""
+    from urllib.parse import quote
+
+    return quote(value, safe="")
 
 
 # ---------------------------------------------------------------------- bench
@@ -1349,9 +1466,67 @@ def chaos(
         raise typer.Exit(1)
 
 
-def main() -> None:
-    with contextlib.suppress(KeyboardInterrupt):
-        app()
+_debug = False  # set by --debug (or QLM_DEBUG=1): errors show their traceback too
+
+
+def _version(value: bool) -> None:
+    if value:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            typer.echo(f"qlm {version('qlm')}")
+        except PackageNotFoundError:  # a source tree that was never installed
+            typer.echo("qlm (not installed)")
+        raise typer.Exit()
+
+
+@app.callback()
+def _global_options(
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version", is_eager=True, callback=_version, help="print the version and exit"
+        ),
+    ] = False,
+    debug: Annotated[
+        bool,
+        typer.Option("--debug", envvar="QLM_DEBUG", help="show the traceback of an error"),
+    ] = False,
+) -> None:
+    """qlm: SLO-aware durable queue manager for LLM serving."""
+    global _debug
+    _debug = _debug or debug
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run the CLI: an error is one line on stderr (what failed, what to check) and exit
+    status 2, not a traceback; ``--debug`` adds the traceback."""
+    import traceback
+
+    from qlm.tooling.cli_errors import describe
+
+    global _debug
+    args = sys.argv[1:] if argv is None else argv
+    _debug = "--debug" in args or os.environ.get("QLM_DEBUG", "") not in ("", "0", "false")
+    try:
+        code = app(args=args, prog_name="qlm", standalone_mode=False)
+    except KeyboardInterrupt:
+        code = 130
+    except typer.Abort:
+        typer.echo("qlm: aborted", err=True)
+        code = 130
+    except Exception as exc:
+        if _debug:
+            traceback.print_exc()
+        failure = describe(exc)
+        if failure is None:  # not anticipated: a bug, or a failure worth a new entry
+            hint = "" if _debug else " (run with --debug for the traceback)"
+            typer.echo(f"qlm: error: {type(exc).__name__}: {exc}{hint}", err=True)
+            code = 1
+        else:
+            typer.echo(failure.line(), err=True)
+            code = failure.exit_code
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 if __name__ == "__main__":

@@ -30,7 +30,6 @@ from types import TracebackType
 from typing import Annotated, Any, Self
 
 import aio_pika
-import structlog
 from aio_pika.abc import (
     AbstractChannel,
     AbstractExchange,
@@ -41,11 +40,13 @@ from aio_pika.abc import (
 from pydantic import Field, TypeAdapter, ValidationError
 
 from qlm import amqp as qlm_amqp
+from qlm.logging import LibraryLogger
 from qlm.streaming import Reassembler
 from qlm.topology import INGRESS_EXCHANGE, declare_topology
 from qlm.types import (
     CONTENT_TYPE,
     REPLY_ID_HEADER,
+    SLO,
     CancelMessage,
     ErrorMessage,
     RequestMessage,
@@ -53,7 +54,8 @@ from qlm.types import (
     TokenChunk,
 )
 
-log = structlog.get_logger(__name__)
+# silent unless the program configures logging: this module runs in users' programs
+log = LibraryLogger(__name__)
 
 Reply = ResultMessage | ErrorMessage
 _reply_adapter: TypeAdapter[Reply] = TypeAdapter(
@@ -65,6 +67,33 @@ _REPLY_PREFETCH = 1000
 _TOKENS_TYPE = "tokens"  # the AMQP type property of a TokenChunk
 _CHUNK_ACK_EVERY = 64  # token chunks acked at once (multiple), well within the prefetch
 _CHUNK_ACK_DELAY_S = 0.05  # a chunk waits at most this long for its ack
+
+
+def new_request(
+    model: str,
+    prompt: str | None = None,
+    *,
+    max_tokens: int = 256,
+    e2e_ms: int | None = 60_000,
+    ttft_ms: int | None = None,
+    slo_class: str | None = None,
+    request_id: str | None = None,
+    **fields: Any,
+) -> RequestMessage:
+    """A RequestMessage with a fresh request id (``req-<uuid4 hex>``) unless one is given,
+    and an SLO from ``e2e_ms`` / ``ttft_ms``. ``fields``: any other RequestMessage field
+    (``messages``, ``prompt_token_ids``, ``tenant``, ``sampling``, ``priority`` ...). The wire
+    format keeps its required ``request_id``: the id is what makes a retry idempotent, so
+    it is generated here, once, not by the coordinator."""
+    slo = SLO(e2e_ms=e2e_ms, ttft_ms=ttft_ms, slo_class=slo_class)
+    return RequestMessage(
+        request_id=request_id or f"req-{uuid.uuid4().hex}",
+        model=model,
+        prompt=prompt,
+        max_tokens=max_tokens,
+        slo=slo,
+        **fields,
+    )
 
 
 class MalformedReply(ValueError):
@@ -340,6 +369,21 @@ class QlmClient:
         fut = await self.submit(request)
         # shield: a timeout must not cancel the future, or a late reply would be lost.
         return await asyncio.wait_for(asyncio.shield(fut), timeout)
+
+    async def complete(
+        self,
+        model: str,
+        prompt: str,
+        *,
+        max_tokens: int = 256,
+        e2e_ms: int | None = 60_000,
+        timeout: float = 120.0,  # noqa: ASYNC109
+        **fields: Any,
+    ) -> Reply:
+        """``prompt`` to ``model`` and back, no request id or SLO object to build:
+        :func:`new_request` makes the request (``fields``: any other RequestMessage field)."""
+        req = new_request(model, prompt, max_tokens=max_tokens, e2e_ms=e2e_ms, **fields)
+        return await self.request(req, timeout)
 
     async def cancel(
         self, request_id: str, reason: str | None = None, *, tenant: str | None = None

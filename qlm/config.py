@@ -19,19 +19,26 @@ class Settings(BaseSettings):
         default="amqp://guest:guest@127.0.0.1:5672/",
         description="broker URL (`qlm demo` starts a private one when QLM_AMQP_URL is unset)",
     )
+    # the state store (SQLAlchemy URL): SQLite for one host, PostgreSQL for a cluster
     database_url: str = "sqlite+aiosqlite:///.qlm/qlm.db"
+    # the admin API's bearer token (required by `qlm coordinator`; `qlm admin` sends it)
     admin_token: SecretStr | None = None
     # optional second token that may only read (GET) the admin API
     admin_read_token: SecretStr | None = None
     # HTTPS for the admin API: a PEM certificate (chain) and its key, both or neither
     admin_tls_cert: str | None = None
     admin_tls_key: str | None = None
+    # where the coordinator serves the admin API (and where `qlm admin` looks by default)
     admin_host: str = "127.0.0.1"
     admin_port: int = 8080
     shards: int = Field(default=2, ge=1, le=64, description="global queue shards")
+    # unacked deliveries the coordinator holds per shard (its view of the backlog)
     prefetch_per_shard: int = Field(default=65535, ge=1, le=65535)
+    # deliveries of one message before the broker dead-letters it (poison messages)
     delivery_limit: int = Field(default=20, ge=1)
+    # largest request body accepted (bytes); larger ones are refused with an error reply
     max_body_bytes: int = Field(default=1_048_576, ge=1024)
+    # agents send a heartbeat this often; an instance silent for the timeout is lost
     heartbeat_interval_s: float = 0.5
     heartbeat_timeout_s: float = 3.0
     policy: str = "qlm"  # the stochastic planner; fcfs, edf, shepherd, ... also registered
@@ -66,8 +73,6 @@ class Settings(BaseSettings):
     # what the qlm planner maximises (docs/planner.md): requests meeting their SLO, or the
     # service gain of those requests (Tempo)
     planner_objective: Literal["attainment", "service-gain"] = "attainment"
-    # the live autoscaler (docs/capacity.md): off unless a policy is named; without a
-    # command it runs dry (decisions logged, shown on GET /v1/capacity and in metrics)
     # the batch tier (docs/architecture.md): requests with ≥ batch_min_slack_s to their
     # deadline wait in the durable queue for spare capacity or their promotion time
     batch_tier: bool = True
@@ -75,6 +80,8 @@ class Settings(BaseSettings):
     batch_release_below: float = Field(default=0.6, ge=0, le=1)
     batch_release_two_below: float = Field(default=0.5, ge=0, le=1)
     batch_promote_after: float = Field(default=10.0 / 24.0, ge=0, le=1)
+    # the live autoscaler (docs/capacity.md): off unless a policy is named; without a
+    # command it runs dry (decisions logged, shown on GET /v1/capacity and in metrics)
     autoscale_policy: Literal["reactive", "cato", "lt-i", "lt-u", "lt-ua"] | None = None
     capacity_spec: Path | None = None  # YAML/JSON: pool, GPU prices, per-model profiles
     autoscale_command: str | None = None  # the operator's program (shell words, no shell)
@@ -86,6 +93,7 @@ class Settings(BaseSettings):
     producer_identity: Literal["body", "broker"] = "body"
     # how long the durable answer record keeps each reply (exactly once across restarts)
     answer_retention_s: float = Field(default=7 * 86400.0, gt=0)
+    # structlog level (debug, info, warning, error) and format of every service's logs
     log_level: str = "info"
     log_format: str = Field(default="json", pattern="^(json|console)$")
 

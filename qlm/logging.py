@@ -25,6 +25,49 @@ class _CurrentStderr:
         sys.stderr.flush()
 
 
+class LibraryLogger:
+    """The logger of the modules a user's program imports (the client and what it uses).
+
+    structlog's defaults, before anyone configures it, print every line (debug included) to
+    stdout: a library must not write into its user's program. So until structlog is configured
+    (every qlm process does it in its CLI entry point) lines go to the stdlib logger of the
+    same name instead, which is silent unless the program configures logging (the ``qlm``
+    logger has a NullHandler). Same call style as structlog: ``log.debug("event", key=value)``.
+    """
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._std = logging.getLogger(name)
+
+    def _emit(self, level: int, event: str, kw: dict[str, object]) -> None:
+        if structlog.is_configured():
+            structlog.get_logger(self.name).log(level, event, **kw)
+        elif self._std.isEnabledFor(level):
+            exc_info = bool(kw.pop("exc_info", False))
+            detail = " ".join(f"{k}={v!r}" for k, v in kw.items())
+            self._std.log(level, "%s %s", event, detail, exc_info=exc_info)
+
+    def debug(self, event: str, **kw: object) -> None:
+        self._emit(logging.DEBUG, event, kw)
+
+    def info(self, event: str, **kw: object) -> None:
+        self._emit(logging.INFO, event, kw)
+
+    def warning(self, event: str, **kw: object) -> None:
+        self._emit(logging.WARNING, event, kw)
+
+    def error(self, event: str, **kw: object) -> None:
+        self._emit(logging.ERROR, event, kw)
+
+    def exception(self, event: str, **kw: object) -> None:
+        kw.setdefault("exc_info", True)
+        self._emit(logging.ERROR, event, kw)
+
+
+# the library convention: no output through stdlib logging unless the program sets it up
+logging.getLogger("qlm").addHandler(logging.NullHandler())
+
+
 def configure_logging(level: str = "info", fmt: str = "json", component: str | None = None) -> None:
     lvl = getattr(logging, level.upper(), logging.INFO)
     renderer: structlog.typing.Processor = (
@@ -48,6 +91,22 @@ def configure_logging(level: str = "info", fmt: str = "json", component: str | N
         structlog.contextvars.bind_contextvars(component=component)
     # aio-pika/aiormq use stdlib logging; keep their warnings, drop their debug chatter.
     logging.basicConfig(level=max(lvl, logging.WARNING), stream=sys.stderr)
+    quiet_connect_failures()
+
+
+class _DropConnectFailures(logging.Filter):
+    """aiormq logs an ERROR for every failed connection attempt, and the failure then reaches
+    its caller anyway: the CLI prints it as one line, services log ``amqp_connection_lost``.
+    The duplicate (an unformatted stdlib line amid JSON logs) is dropped."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("error when creating transport")
+
+
+def quiet_connect_failures() -> None:
+    target = logging.getLogger("aiormq.connection")
+    if not any(isinstance(f, _DropConnectFailures) for f in target.filters):
+        target.addFilter(_DropConnectFailures())
 
 
 _gc_watched = False

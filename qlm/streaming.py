@@ -22,9 +22,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import structlog
+from qlm.logging import LibraryLogger
 
-log = structlog.get_logger(__name__)
+# silent unless the program configures logging: this module runs in users' programs
+log = LibraryLogger(__name__)
 
 # Out-of-order chunks held while waiting for a gap to fill; beyond this new ones are dropped
 # (the result fills the gap): a misbehaving sender cannot make a consumer hold unbounded data.

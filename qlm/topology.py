@@ -34,10 +34,12 @@ from typing import Any
 
 import aio_pika
 import aiormq
-import structlog
 from aio_pika.abc import AbstractChannel, AbstractExchange, AbstractQueue
 
-log = structlog.get_logger(__name__)
+from qlm.logging import LibraryLogger
+
+# silent unless the program configures logging: this module runs in users' programs
+log = LibraryLogger(__name__)
 
 INGRESS_EXCHANGE = "qlm.ingress"
 DLX_EXCHANGE = "qlm.dlx"

@@ -1022,6 +1022,16 @@ class CoordinatorCore:
         log.info("instance_draining", instance_id=instance_id, moved=len(moved))
         return len(moved)
 
+    def undrain(self, instance_id: str) -> str:
+        """Take a draining instance back into service; its status after (a lost one stays
+        lost: its agent re-registers it with a heartbeat). Its credit comes back with the
+        agent's next heartbeat (``_reconcile_credit``) or pull."""
+        inst = self.instances[instance_id]
+        if inst.status == "draining":
+            inst.status = "alive"
+            log.info("instance_undrained", instance_id=instance_id)
+        return inst.status
+
     def replan_wanted(self, now: float) -> bool:
         """Whether an automatic replan is worth running now: the policy asks for one and the
         virtual queues hold work (:data:`MIN_QUEUED_PER_INSTANCE` per live instance). How

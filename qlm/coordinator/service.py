@@ -950,9 +950,23 @@ class Coordinator:
         log.info("cancel_received", request_id=rid, outcome=outcome, reason=cancel.reason)
         if outcome == "refused":  # another tenant's request: cancels are the owner's alone
             self.metrics.observe_cancel_refused()
+        if not await self._carry_out_cancel(rid, outcome, t, order, cancel.reason, message):
+            await message.ack()
+
+    async def _carry_out_cancel(
+        self,
+        rid: str,
+        outcome: str,
+        t: TrackedRequest | None,
+        order: EvictOrder | None,
+        reason: str | None,
+        message: AbstractIncomingMessage | None,
+    ) -> bool:
+        """What ``core.cancel``'s outcome asks for: a waiting request is answered
+        ``cancelled`` now (True: that answer acked ``message``), a running one is evicted."""
         if outcome == "cancelled" and t is not None:
-            await self._answer_cancelled(t, message, cancel.reason)
-            return
+            await self._answer_cancelled(t, message, reason)
+            return True
         if order is not None:
             evict = Evict(
                 instance_id=order.instance_id,
@@ -964,7 +978,7 @@ class Coordinator:
                 await self._to_agent(order.agent_id, evict.model_dump_json())
             except Exception as exc:  # the agent is gone: liveness ends it, cancelled
                 log.warning("cancel_evict_failed", request_id=rid, error=repr(exc))
-        await message.ack()
+        return False
 
     def _end_cancelled(self, moved: list[TrackedRequest]) -> list[TrackedRequest]:
         """Requests requeued from a lost instance: those cancelled while they ran are answered
@@ -1393,6 +1407,28 @@ class Coordinator:
             "moved": moved,
             "status": self.core.instances[instance_id].status,
         }
+
+    async def undrain(self, instance_id: str) -> dict[str, Any]:
+        if instance_id not in self.core.instances:
+            raise KeyError(instance_id)
+        status = self.core.undrain(instance_id)
+        if status == "alive":
+            self._record_instance(instance_id, "alive", time.time())
+            self._pump()
+        return {"instance_id": instance_id, "status": status}
+
+    async def cancel(self, request_id: str, reason: str | None = None) -> dict[str, Any]:
+        """An operator's cancel: the producer's cancel path (one ``cancelled`` reply, or the
+        result if it comes first), for a request of any tenant. KeyError: not tracked and
+        never answered."""
+        t = self.core.requests.get(request_id)
+        if t is None and request_id not in self.core.answered:
+            raise KeyError(request_id)  # not remembered for later, unlike a producer's cancel
+        tenant = None if t is None else t.request.tenant
+        outcome, t, order = self.core.cancel(request_id, tenant)
+        log.info("admin_cancel", request_id=request_id, outcome=outcome)
+        await self._carry_out_cancel(request_id, outcome, t, order, reason or "operator", None)
+        return {"request_id": request_id, "outcome": outcome}
 
     def health(self) -> dict[str, Any]:
         connected = self._conn is not None and not self._conn.is_closed

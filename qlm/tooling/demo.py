@@ -78,13 +78,21 @@ def build_workload(
 
 
 async def run_replay(
-    amqp_url: str, timed: list[tuple[float, RequestMessage]], *, speedup: float, timeout: float
+    amqp_url: str,
+    timed: list[tuple[float, RequestMessage]],
+    *,
+    speedup: float,
+    timeout: float,
+    progress: bool = False,
 ) -> Any:
     from qlm.client import QlmClient, replay
+    from qlm.tooling.progress import counting
     from qlm.tooling.report import Report
 
     async with QlmClient(amqp_url) as client:
-        result = await replay(client, timed, speedup=speedup, timeout=timeout)
+        replied = client.reply_counts
+        async with counting("replies", len(timed), lambda: len(replied), enabled=progress):
+            result = await replay(client, timed, speedup=speedup, timeout=timeout)
     return Report.from_replay(result)
 
 
@@ -267,6 +275,7 @@ async def run_demo(
     policy: str,
     trace_start: float,
     vllm_model_dir: Path | None = None,
+    progress: bool = False,
 ) -> int:
     """``vllm_model_dir``: serve the tiny Llama there with a real vLLM agent instead of the
     simulated A100s."""
@@ -286,7 +295,15 @@ async def run_demo(
         with contextlib.ExitStack() as stack:
             amqp_url = stack.enter_context(_demo_vhost(base_url))
             return await _demo(
-                amqp_url, workdir, db, json_out, duration, policy, trace_start, vllm_model_dir
+                amqp_url,
+                workdir,
+                db,
+                json_out,
+                duration,
+                policy,
+                trace_start,
+                vllm_model_dir,
+                progress=progress,
             )
     finally:
         if started_broker:
@@ -334,6 +351,8 @@ async def _demo(
     policy: str,
     trace_start: float,
     vllm_model_dir: Path | None = None,
+    *,
+    progress: bool = False,
 ) -> int:
     agents = DEMO_AGENTS if vllm_model_dir is None else vllm_demo_agents(vllm_model_dir)
     cluster = LocalCluster(
@@ -366,7 +385,7 @@ async def _demo(
         )
         if vllm_model_dir is not None:
             timed = _into_vocab(timed, TINY_VOCAB)
-        report = await run_replay(amqp_url, timed, speedup=1.0, timeout=60)
+        report = await run_replay(amqp_url, timed, speedup=1.0, timeout=60, progress=progress)
         print(report.format_table(), flush=True)
         data = report.to_json()
         data["policy"] = policy

@@ -66,7 +66,8 @@ async def test_submit_jsonl_and_admin_commands(isolated_amqp_url: str, tmp_path:
         rc, out, err = await qlm("admin", "drain", "nope", env=env)
         assert rc == 1 and "404" in err
         rc, _, err = await qlm("admin", "instances", env={**env, "QLM_ADMIN_TOKEN": "wrong-token"})
-        assert rc == 1 and "403" in err
+        # a refused token is a configuration error: one line, exit status 2 (issue 19)
+        assert rc == 2 and "refused the token" in err and len(err.strip().splitlines()) == 1
     data = json.loads(report.read_text())
     assert data["requests_sent"] == 20 and data["replies"] == 20
     assert data["lost"] == 0 and data["duplicates"] == 0

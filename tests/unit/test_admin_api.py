@@ -69,6 +69,7 @@ class MemoryBackend:
         self.broker_connected = True
         self.active = True
         self.fail_with: Exception | None = None
+        self.cancelled: list[tuple[str, str | None]] = []
 
     def state(self) -> dict[str, Any]:
         return copy.deepcopy(
@@ -140,6 +141,21 @@ class MemoryBackend:
         self.queues[target].extend(moved)
         return {"instance_id": instance_id, "moved": len(moved), "status": "draining"}
 
+    async def undrain(self, instance_id: str) -> dict[str, Any]:
+        inst = self.instances[instance_id]
+        if inst["status"] == "draining":
+            inst["status"] = "alive"
+        return {"instance_id": instance_id, "status": inst["status"]}
+
+    async def cancel(self, request_id: str, reason: str | None = None) -> dict[str, Any]:
+        for reqs in self.queues.values():
+            for r in reqs:
+                if r["request_id"] == request_id:
+                    reqs.remove(r)
+                    self.cancelled.append((request_id, reason))
+                    return {"request_id": request_id, "outcome": "cancelled"}
+        raise KeyError(request_id)
+
     def health(self) -> dict[str, Any]:
         ok = self.broker_connected and self.active
         return {
@@ -180,6 +196,8 @@ PROTECTED = [
     ("GET", "/v1/requests/r1"),
     ("POST", "/v1/replan"),
     ("POST", "/v1/instances/gpu-a/drain"),
+    ("POST", "/v1/instances/gpu-a/undrain"),
+    ("POST", "/v1/requests/r1/cancel"),
 ]
 WRITES = [(m, p) for m, p in PROTECTED if m == "POST"]
 
@@ -463,6 +481,46 @@ async def test_drain_unknown_instance_is_404(
     assert backend.state() == before
 
 
+async def test_undrain_takes_a_draining_instance_back(
+    client: httpx.AsyncClient, backend: MemoryBackend
+) -> None:
+    await client.post("/v1/instances/gpu-a/drain", headers=bearer(ADMIN))
+    resp = await client.post("/v1/instances/gpu-a/undrain", headers=bearer(ADMIN))
+    assert resp.status_code == 200
+    assert resp.json() == {"instance_id": "gpu-a", "status": "alive"}
+    assert backend.instances["gpu-a"]["status"] == "alive"
+    assert_error(
+        await client.post("/v1/instances/gpu-zzz/undrain", headers=bearer(ADMIN)),
+        404,
+        "instance_not_found",
+    )
+    assert_error(
+        await client.post("/v1/instances/gpu-a/undrain", headers=bearer(READ)),
+        403,
+        "insufficient_scope",
+    )
+
+
+async def test_cancel_a_request(client: httpx.AsyncClient, backend: MemoryBackend) -> None:
+    resp = await client.post(
+        "/v1/requests/r2/cancel", headers=bearer(ADMIN), json={"reason": "stuck"}
+    )
+    assert resp.status_code == 200
+    assert resp.json() == {"request_id": "r2", "outcome": "cancelled"}
+    resp = await client.post("/v1/requests/r3/cancel", headers=bearer(ADMIN))  # no body
+    assert resp.status_code == 200
+    assert backend.cancelled == [("r2", "stuck"), ("r3", None)]
+    assert_error(
+        await client.post("/v1/requests/nope/cancel", headers=bearer(ADMIN)),
+        404,
+        "request_not_found",
+    )
+    resp = await client.post(
+        "/v1/requests/r1/cancel", headers=bearer(ADMIN), json={"reason": "x" * 300}
+    )
+    assert_error(resp, 422, "invalid_request")
+
+
 async def test_unknown_paths_and_wrong_methods(client: httpx.AsyncClient) -> None:
     assert_error(await client.get("/v1/nothing", headers=bearer(ADMIN)), 404, "not_found")
     resp = await client.get("/v1/replan", headers=bearer(ADMIN))
@@ -524,6 +582,8 @@ async def test_openapi_documents_paths_models_and_security(client: httpx.AsyncCl
         "/v1/plan",
         "/v1/capacity",
         "/v1/instances/{instance_id}/drain",
+        "/v1/instances/{instance_id}/undrain",
+        "/v1/requests/{request_id}/cancel",
     }
     schemas = doc["components"]["schemas"]
     for model in (
@@ -531,6 +591,8 @@ async def test_openapi_documents_paths_models_and_security(client: httpx.AsyncCl
         "QueueInfo",
         "PlanResponse",
         "DrainResponse",
+        "UndrainResponse",
+        "CancelResponse",
         "ErrorResponse",
         "CapacityStatus",
     ):
