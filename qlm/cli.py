@@ -54,7 +54,7 @@ def _setup_logging(s: Settings, component: str) -> None:
 
     configure_logging(s.log_level, s.log_format, component)
     if component in ("coordinator", "agent"):  # services: a GC pause is a latency tail
-        watch_gc_pauses()
+        watch_gc_pauses(s.gc_pause_warn_ms / 1000)
 
 
 async def _wait_for_signal() -> None:

@@ -50,18 +50,65 @@ def configure_logging(level: str = "info", fmt: str = "json", component: str | N
     logging.basicConfig(level=max(lvl, logging.WARNING), stream=sys.stderr)
 
 
+# Every request's fate, one JSON line each (``event: request_outcome``) from the coordinator:
+# answered | failed | rejected | cancelled. Prompts and outputs are never in it.
+REQUEST_OUTCOMES = frozenset({"answered", "failed", "rejected", "cancelled"})
+_requests_log = structlog.get_logger("qlm.requests")
+
+
+def log_request_outcome(
+    outcome: str,
+    *,
+    request_id: str | None,
+    tenant: str | None = None,
+    model: str | None = None,
+    slo_class: str | None = None,
+    instance_id: str | None = None,
+    latency_s: float | None = None,
+    met: bool | None = None,
+    code: str | None = None,
+    attempts: int | None = None,
+) -> None:
+    """One line per request outcome, at info (warning for ``failed``): the access log of qlm.
+    ``latency_s`` is submission to the answer; ``met`` whether its SLO was met."""
+    if outcome not in REQUEST_OUTCOMES:
+        raise ValueError(f"unknown request outcome {outcome!r}")
+    fields: dict[str, object] = {
+        "outcome": outcome,
+        "request_id": request_id,
+        "tenant": tenant,
+        "model": model,
+        "slo_class": slo_class,
+        "instance_id": instance_id,
+        "latency_s": None if latency_s is None else round(max(0.0, latency_s), 6),
+        "met": met,
+    }
+    if code is not None:
+        fields["code"] = code
+    if attempts is not None:
+        fields["attempts"] = attempts
+    if outcome == "failed":
+        _requests_log.warning("request_outcome", **fields)
+    else:
+        _requests_log.info("request_outcome", **fields)
+
+
 _gc_watched = False
+# The threshold in force: a later call (an in-process CLI run) changes it, never adds a callback.
+_gc_threshold_s = [0.05]
 
 
-def watch_gc_pauses(threshold_s: float = 0.01) -> None:
-    """Log every garbage-collector pass that stops the process longer than ``threshold_s``:
-    a full collection over a large heap pauses the event loop, which shows up as a latency
-    tail with no other trace in the logs."""
+def watch_gc_pauses(threshold_s: float = 0.05) -> None:
+    """Log every garbage-collector pass that stops the process longer than ``threshold_s``
+    (``QLM_GC_PAUSE_WARN_MS``): a full collection over a large heap pauses the event loop,
+    which shows up as a latency tail with no other trace in the logs. Short young-generation
+    passes are routine and not logged; a threshold of 0 or less turns the warnings off."""
     import gc
     import time
 
     global _gc_watched
-    if _gc_watched:  # one callback per process (in-process CLI runs call this repeatedly)
+    _gc_threshold_s[0] = threshold_s
+    if _gc_watched or threshold_s <= 0:  # one callback per process, and none when off
         return
     _gc_watched = True
     log = structlog.get_logger("qlm.gc")
@@ -72,12 +119,14 @@ def watch_gc_pauses(threshold_s: float = 0.01) -> None:
             started[0] = time.perf_counter()
             return
         pause = time.perf_counter() - started[0]
-        if pause >= threshold_s:
+        limit = _gc_threshold_s[0]
+        if limit > 0 and pause >= limit:
             log.warning(
                 "gc_pause",
                 generation=info.get("generation"),
                 pause_ms=round(pause * 1000, 1),
                 collected=info.get("collected"),
+                threshold_ms=round(limit * 1000, 1),
             )
 
     gc.callbacks.append(callback)

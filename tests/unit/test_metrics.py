@@ -39,7 +39,7 @@ def test_registries_are_private_and_independent() -> None:
     a.set_queue_depth("gpu-0", 7)
     assert value(a, "qlm_requests_total", outcome="completed") == 1
     assert value(b, "qlm_requests_total", outcome="completed") == 0
-    assert value(b, "qlm_virtual_queue_depth", instance="gpu-0") is None
+    assert value(b, "qlm_virtual_queue_depth", instance_id="gpu-0") is None
     global_names = {f.name for f in prometheus_client.REGISTRY.collect()}
     assert not any(n.startswith("qlm_") for n in global_names)
 
@@ -59,7 +59,7 @@ def test_every_documented_metric_is_exposed_and_parseable() -> None:
     body, content_type = m.render()
     assert content_type.startswith("text/plain")
     s = samples(m)
-    assert s[("qlm_virtual_queue_depth", frozenset({("instance", "gpu-0")}))] == 3
+    assert s[("qlm_virtual_queue_depth", frozenset({("instance_id", "gpu-0")}))] == 3
     assert s[("qlm_requests_in_state", frozenset({("state", "dispatched")}))] == 1
     assert s[("qlm_slo_total", frozenset({("slo_class", "interactive"), ("met", "true")}))] == 1
     assert s[("qlm_dispatch_latency_seconds_count", frozenset())] == 1
@@ -97,10 +97,10 @@ def test_remove_instance_drops_its_series() -> None:
     m.set_queue_depth("gpu-1", 2)
     m.remove_instance("gpu-0")
     m.remove_instance("never-seen")  # no-op, no error
-    assert value(m, "qlm_virtual_queue_depth", instance="gpu-0") is None
-    assert value(m, "qlm_virtual_queue_depth", instance="gpu-1") == 2
+    assert value(m, "qlm_virtual_queue_depth", instance_id="gpu-0") is None
+    assert value(m, "qlm_virtual_queue_depth", instance_id="gpu-1") == 2
     m.set_queue_depth("gpu-0", 9)  # an instance that comes back gets a fresh series
-    assert value(m, "qlm_virtual_queue_depth", instance="gpu-0") == 9
+    assert value(m, "qlm_virtual_queue_depth", instance_id="gpu-0") == 9
 
 
 def test_latency_buckets_span_half_a_millisecond_to_ten_seconds() -> None:
