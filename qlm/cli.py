@@ -315,6 +315,15 @@ def agent(
     ] = None,
     model_config: ModelConfigOption = None,
     gpu_table: GPUTableOption = None,
+    health_port: Annotated[
+        int | None,
+        typer.Option(
+            help="GET /healthz, /readyz, /metrics on this port (0: off; default "
+            "QLM_AGENT_HEALTH_PORT, 9400), on QLM_AGENT_HEALTH_HOST (0.0.0.0)",
+            min=0,
+            max=65535,
+        ),
+    ] = None,
 ) -> None:
     """Run an agent that hosts one engine instance per GPU and serves what it is dispatched."""
     from qlm.catalog import canonical_gpu
@@ -346,6 +355,8 @@ def agent(
         },
     )
     gate = _admission_gate(admission, usl)
+    if health_port is not None:
+        s = s.model_copy(update={"agent_health_port": health_port})
     asyncio.run(_run_agent(s, backend, engines, gpu_type, agent_id, gate, cpu_memory_gb))
 
 
@@ -446,11 +457,20 @@ async def _run_agent(
         admission_gate=gate,
         cpu_memory_gb=cpu_memory_gb,
     )
-    await a.start()
+    health = None
+    if s.agent_health_port:  # up before the engines: /healthz answers while vLLM loads
+        from qlm.agents.health import serve_health
+
+        health = await serve_health(a, s.agent_health_host, s.agent_health_port)
     try:
-        await _wait_for_signal()
+        await a.start()
+        try:
+            await _wait_for_signal()
+        finally:
+            await a.stop(graceful=True)
     finally:
-        await a.stop(graceful=True)
+        if health is not None:
+            await health.stop()
 
 
 class _ProfileGroup(TyperGroup):
