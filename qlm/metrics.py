@@ -598,7 +598,8 @@ class GatewayMetrics:
         )
         self._ttft = Histogram(
             "qlm_gateway_time_to_first_token_seconds",
-            "Streamed calls: HTTP request arrival to its first token event sent to the client",
+            "Streamed calls: HTTP request arrival to the stream's first piece (its first "
+            "tokens, or the whole answer) ready to send to the client",
             ["model_name"],
             buckets=TTFT_BUCKETS_S,
             registry=r,
