@@ -8,7 +8,10 @@ are never logged.
 from __future__ import annotations
 
 import logging
+import os
 import sys
+import tempfile
+import threading
 
 import structlog
 
@@ -46,8 +49,27 @@ def configure_logging(level: str = "info", fmt: str = "json", component: str | N
     )
     if component:
         structlog.contextvars.bind_contextvars(component=component)
-    # aio-pika/aiormq use stdlib logging; keep their warnings, drop their debug chatter.
-    logging.basicConfig(level=max(lvl, logging.WARNING), stream=sys.stderr)
+    # aio-pika/aiormq (and Python warnings, e.g. cvxpy's) use stdlib logging: keep their
+    # warnings, drop their debug chatter, and render them as the same JSON lines.
+    handler = logging.StreamHandler(_CurrentStderr())
+    handler.setFormatter(
+        structlog.stdlib.ProcessorFormatter(
+            processor=renderer,
+            foreign_pre_chain=[
+                structlog.stdlib.add_logger_name,
+                structlog.processors.add_log_level,
+                structlog.processors.TimeStamper(fmt="iso", utc=True),
+                structlog.processors.format_exc_info,
+            ],
+        )
+    )
+    root = logging.getLogger()
+    for old in [h for h in root.handlers if getattr(h, "_qlm", False)]:
+        root.removeHandler(old)  # configured again (in-process CLI runs): one handler
+    handler._qlm = True  # type: ignore[attr-defined]
+    root.addHandler(handler)
+    root.setLevel(max(lvl, logging.WARNING))
+    logging.captureWarnings(True)
 
 
 # Every request's fate, one JSON line each (``event: request_outcome``) from the coordinator:
@@ -130,3 +152,61 @@ def watch_gc_pauses(threshold_s: float = 0.05) -> None:
             )
 
     gc.callbacks.append(callback)
+
+
+_highs_lock = threading.Lock()
+_highs_done = False
+
+
+def absorb_highs_banner() -> None:
+    """Make the HiGHS solver print its banner now, into a structured log line.
+
+    HiGHS (under cvxpy, for the planner's MILP and the capacity ILP) writes ``Running HiGHS
+    ... Copyright ...`` straight to file descriptor 1 from C++ the first time a solver object
+    is made in a process, whatever ``verbose``/``output_flag`` say, breaking the JSON-lines
+    stream. Called before a solve: the first call makes one solver object with fd 1 pointed at
+    a temporary file and logs what it wrote (``third_party_output``, source ``highs``); later
+    calls return at once. A no-op without highspy."""
+    global _highs_done
+    if _highs_done:
+        return
+    with _highs_lock:
+        if _highs_done:
+            return
+        _highs_done = True
+        try:
+            import highspy
+        except ImportError:
+            return
+        text = _capture_fd1(highspy.Highs)
+        if text.strip():
+            structlog.get_logger("qlm.solver").info(
+                "third_party_output", source="highs", text=text.strip()[:2000]
+            )
+
+
+def _capture_fd1(make: object) -> str:
+    """Run ``make()`` with file descriptor 1 redirected; return what was written to it."""
+    assert callable(make)
+    sys.stdout.flush()
+    saved = os.dup(1)
+    with tempfile.TemporaryFile() as tmp:
+        try:
+            os.dup2(tmp.fileno(), 1)
+            make()
+        finally:
+            sys.stdout.flush()
+            _flush_c_stdio()  # C's stdout is block-buffered when fd 1 is not a terminal
+            os.dup2(saved, 1)
+            os.close(saved)
+        tmp.seek(0)
+        return tmp.read().decode(errors="replace")
+
+
+def _flush_c_stdio() -> None:
+    import contextlib
+    import ctypes
+
+    # no C library to flush (not POSIX): nothing was buffered there
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).fflush(None)
