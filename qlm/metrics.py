@@ -143,7 +143,7 @@ def wrapper_defs(metrics: Iterable[Any]) -> list[MetricDef]:
 
 class LabelCap:
     """A bounded label: the first ``limit`` distinct values pass, later ones become
-    ``overflow`` (and an empty value becomes ``empty``)."""
+    ``overflow``; an empty value is ``empty``, which (like ``overflow``) always passes."""
 
     def __init__(self, limit: int, *, empty: str, overflow: str = OVERFLOW_LABEL) -> None:
         self.limit = limit
@@ -153,7 +153,7 @@ class LabelCap:
 
     def __call__(self, value: str | None) -> str:
         label = value or self.empty
-        if label in self._seen:
+        if label in self._seen or label == self.empty or label == self.overflow:
             return label
         if len(self._seen) >= self.limit:
             return self.overflow
