@@ -1250,6 +1250,7 @@ class Coordinator:
                 # This loop was blocked (e.g. a long replan): heartbeats that arrived meanwhile
                 # are still waiting in the broker. Judge liveness on the next tick, not now.
                 log.warning("liveness_check_skipped", lag_s=round(gap, 3))
+                self._refresh_gauges()  # the metrics still follow the latest heartbeats
                 continue
             if self.core.promote_due(now):
                 self._pump()

@@ -3,6 +3,7 @@ scraped over HTTP as the kubelet and Prometheus would; the per-request log lines
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 
@@ -54,7 +55,14 @@ async def test_agent_and_coordinator_health_metrics_and_request_log(
             assert all(isinstance(r, ResultMessage) for r in replies)
 
             agent_text = (await http.get(agent_url + "/metrics")).text
-            coord = await http.get(cluster.admin_url + "/metrics")
+            # the coordinator's instance gauges follow heartbeats on its liveness tick
+            deadline = asyncio.get_running_loop().time() + 15
+            while True:
+                coord = await http.get(cluster.admin_url + "/metrics")
+                if "qlm_instance_num_requests_running{" in coord.text:
+                    break
+                assert asyncio.get_running_loop().time() < deadline, coord.text
+                await asyncio.sleep(0.2)
         a = families(agent_text)
         assert a["qlm_agent_ready"][0][1] == 1.0
         assert sum(v for _, v, n in a["qlm_agent_dispatches"] if n.endswith("_total")) == 5
