@@ -30,7 +30,8 @@ def families(text: str) -> dict[str, list[tuple[dict[str, str], float, str]]]:
 async def test_agent_and_coordinator_health_metrics_and_request_log(
     isolated_amqp_url: str, tmp_path: Path
 ) -> None:
-    async with running_cluster(isolated_amqp_url, tmp_path, AGENT) as cluster:
+    # the default planner (qlm): its solver must not write to stdout either
+    async with running_cluster(isolated_amqp_url, tmp_path, AGENT, policy="qlm") as cluster:
         agent_url = cluster.agent_health["obs-a"]
         async with httpx.AsyncClient(timeout=10) as http:
             assert (await http.get(agent_url + "/healthz")).status_code == 200
