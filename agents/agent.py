@@ -118,6 +118,11 @@ class Agent:
         self._wake = asyncio.Event()
         self.completed = 0
         self.evicted = 0
+        # for the health port's /metrics (qlm/agents/health.py), read at scrape time
+        self.started = False  # connected and every engine started: /readyz
+        self.reports: dict[str, int] = {"completion": 0, "failure": 0, "evicted": 0}
+        self.report_retries = 0
+        self.evictions: dict[str, int] = {}
         self.admission_gate = admission_gate
         # token chunks of streamed requests, published straight to their producers
         self.token_streams = TokenStreams(log_context=self.log)
@@ -158,9 +163,15 @@ class Agent:
             asyncio.create_task(self._heartbeat_loop()),
             asyncio.create_task(self._pull_loop()),
         ]
+        self.started = True
         self.log.info("agent_started", instances=list(self.instances))
 
+    def ready(self) -> bool:
+        """Started (connected, engines running) and the broker connection is up now."""
+        return self.started and self._conn is not None and not self._conn.is_closed
+
     async def stop(self, *, graceful: bool = True) -> None:
+        self.started = False
         for t in self._tasks:
             t.cancel()
         for t in self._tasks:
@@ -331,6 +342,7 @@ class Agent:
         self.token_streams.close(order.request_id)
         inst.admission.forget(order.request_id)
         self.evicted += 1
+        self.evictions[order.mode] = self.evictions.get(order.mode, 0) + 1
         self.log.info(
             "request_evicted",
             request_id=order.request_id,
@@ -428,10 +440,12 @@ class Agent:
             try:
                 await self._publish(body, persistent=True)
                 self.completed += 1
+                self.reports[msg.type] = self.reports.get(msg.type, 0) + 1
                 return
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
+                self.report_retries += 1
                 self.log.warning("report_retry", request_id=msg.request_id, error=repr(exc))
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 2.0)

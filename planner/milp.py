@@ -35,6 +35,8 @@ from dataclasses import dataclass
 import numpy as np
 import structlog
 
+from qlm.logging import absorb_highs_banner
+
 log = structlog.get_logger(__name__)
 
 TARDINESS_WEIGHT = 1e-3  # per second of lateness, per group: far below one met request
@@ -406,6 +408,7 @@ def solve_slots(
     )
     prob = cp.Problem(objective, cons)
     status = "error"
+    absorb_highs_banner()  # its banner into a log line, not onto stdout
     try:
         with warnings.catch_warnings():
             # "solution may be inaccurate" at a time limit: we verify the answer ourselves

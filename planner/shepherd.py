@@ -48,6 +48,7 @@ from typing import Any
 import numpy as np
 import structlog
 
+from qlm.logging import absorb_highs_banner
 from qlm.planner.evaluate import profile_for
 from qlm.policy import Plan, PlanInstance, PlanRequest, QueuePolicy
 
@@ -265,6 +266,7 @@ class SHEPHERDPolicy(QueuePolicy):
         cons.append(cp.sum(cp.multiply(p, y), axis=0) <= busiest)
         tie = 0.5 / max(p.sum(), 1e-9)
         prob = cp.Problem(cp.Maximize(weight @ cp.sum(y, axis=1) - tie * busiest), cons)
+        absorb_highs_banner()  # its banner into a log line, not onto stdout
         try:
             with warnings.catch_warnings():
                 # cvxpy warns "may be inaccurate" at the time limit; the status check decides.

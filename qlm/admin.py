@@ -1,6 +1,9 @@
 """The coordinator's admin HTTP API (FastAPI): health, metrics, inspection and control.
 
-``/healthz`` and ``/metrics`` are open (probes and Prometheus scrapers carry no secrets);
+``/healthz``, ``/readyz`` and ``/metrics`` are open (probes and Prometheus scrapers carry no
+secrets); ``/healthz`` answers 200 while the process serves HTTP at all (liveness), ``/readyz``
+503 unless it is connected to the broker and its store keeps up (readiness; a standby
+coordinator is ready);
 everything under ``/v1`` needs ``Authorization: Bearer <token>``. The admin token may do
 everything; the optional read token may only read (GET/HEAD). The coordinator implements
 :class:`AdminBackend`; this module knows nothing else about it, so the HTTP layer is tested
@@ -371,6 +374,21 @@ def create_admin_app(
         tags=["ops"],
     )
     async def healthz() -> JSONResponse:
+        # Liveness: 200 whatever the broker does. A coordinator that lost the broker
+        # reconnects by itself; restarting it (what a failed liveness probe does) would not help.
+        health = HealthResponse.model_validate(backend.health())
+        return JSONResponse(health.model_dump(mode="json"))
+
+    @app.get(
+        "/readyz",
+        response_model=HealthResponse,
+        responses={503: {"model": HealthResponse, "description": "not ready"}},
+        tags=["ops"],
+    )
+    async def readyz() -> JSONResponse:
+        # Readiness: connected to the broker and the store keeps up. A standby (connected,
+        # waiting for the single-active-consumer role) is ready: otherwise a rolling update
+        # of two replicas could never replace the active one.
         health = HealthResponse.model_validate(backend.health())
         return JSONResponse(
             health.model_dump(mode="json"), status_code=200 if health.status == "ok" else 503

@@ -57,7 +57,7 @@ def _setup_logging(s: Settings, component: str) -> None:
 
     configure_logging(s.log_level, s.log_format, component)
     if component in ("coordinator", "agent"):  # services: a GC pause is a latency tail
-        watch_gc_pauses()
+        watch_gc_pauses(s.gc_pause_warn_ms / 1000)
 
 
 async def _wait_for_signal() -> None:
@@ -318,6 +318,15 @@ def agent(
     ] = None,
     model_config: ModelConfigOption = None,
     gpu_table: GPUTableOption = None,
+    health_port: Annotated[
+        int | None,
+        typer.Option(
+            help="GET /healthz, /readyz, /metrics on this port (0: off; default "
+            "QLM_AGENT_HEALTH_PORT, 9400), on QLM_AGENT_HEALTH_HOST (0.0.0.0)",
+            min=0,
+            max=65535,
+        ),
+    ] = None,
 ) -> None:
     """Run an agent that hosts one engine instance per GPU and serves what it is dispatched."""
     from qlm.catalog import canonical_gpu
@@ -349,6 +358,8 @@ def agent(
         },
     )
     gate = _admission_gate(admission, usl)
+    if health_port is not None:
+        s = s.model_copy(update={"agent_health_port": health_port})
     asyncio.run(_run_agent(s, backend, engines, gpu_type, agent_id, gate, cpu_memory_gb))
 
 
@@ -449,11 +460,20 @@ async def _run_agent(
         admission_gate=gate,
         cpu_memory_gb=cpu_memory_gb,
     )
-    await a.start()
+    health = None
+    if s.agent_health_port:  # up before the engines: /healthz answers while vLLM loads
+        from qlm.agents.health import serve_health
+
+        health = await serve_health(a, s.agent_health_host, s.agent_health_port)
     try:
-        await _wait_for_signal()
+        await a.start()
+        try:
+            await _wait_for_signal()
+        finally:
+            await a.stop(graceful=True)
     finally:
-        await a.stop(graceful=True)
+        if health is not None:
+            await health.stop()
 
 
 class _ProfileGroup(TyperGroup):

@@ -96,6 +96,13 @@ class Settings(BaseSettings):
     # structlog level (debug, info, warning, error) and format of every service's logs
     log_level: str = "info"
     log_format: str = Field(default="json", pattern="^(json|console)$")
+    # a garbage-collector pass that stops the coordinator or an agent longer than this is
+    # logged (gc_pause, a warning); 0 turns it off. Young-generation passes take well under it.
+    gc_pause_warn_ms: float = Field(default=50.0, ge=0)
+    # the agent's health port: GET /healthz, /readyz and /metrics (docs/metrics.md); 0 turns
+    # it off. 0.0.0.0 so that the kubelet's probes and Prometheus reach it in a pod.
+    agent_health_port: int = Field(default=9400, ge=0, le=65535)
+    agent_health_host: str = "0.0.0.0"  # noqa: S104 - probes come from outside the pod
 
     @field_validator("amqp_url")
     @classmethod

@@ -8,7 +8,10 @@ are never logged.
 from __future__ import annotations
 
 import logging
+import os
 import sys
+import tempfile
+import threading
 
 import structlog
 
@@ -89,8 +92,27 @@ def configure_logging(level: str = "info", fmt: str = "json", component: str | N
     )
     if component:
         structlog.contextvars.bind_contextvars(component=component)
-    # aio-pika/aiormq use stdlib logging; keep their warnings, drop their debug chatter.
-    logging.basicConfig(level=max(lvl, logging.WARNING), stream=sys.stderr)
+    # aio-pika/aiormq (and Python warnings, e.g. cvxpy's) use stdlib logging: keep their
+    # warnings, drop their debug chatter, and render them as the same JSON lines.
+    handler = logging.StreamHandler(_CurrentStderr())
+    handler.setFormatter(
+        structlog.stdlib.ProcessorFormatter(
+            processor=renderer,
+            foreign_pre_chain=[
+                structlog.stdlib.add_logger_name,
+                structlog.processors.add_log_level,
+                structlog.processors.TimeStamper(fmt="iso", utc=True),
+                structlog.processors.format_exc_info,
+            ],
+        )
+    )
+    root = logging.getLogger()
+    for old in [h for h in root.handlers if getattr(h, "_qlm", False)]:
+        root.removeHandler(old)  # configured again (in-process CLI runs): one handler
+    handler._qlm = True  # type: ignore[attr-defined]
+    root.addHandler(handler)
+    root.setLevel(max(lvl, logging.WARNING))
+    logging.captureWarnings(True)
     quiet_connect_failures()
 
 
@@ -109,18 +131,65 @@ def quiet_connect_failures() -> None:
         target.addFilter(_DropConnectFailures())
 
 
+# Every request's fate, one JSON line each (``event: request_outcome``) from the coordinator:
+# answered | failed | rejected | cancelled. Prompts and outputs are never in it.
+REQUEST_OUTCOMES = frozenset({"answered", "failed", "rejected", "cancelled"})
+_requests_log = structlog.get_logger("qlm.requests")
+
+
+def log_request_outcome(
+    outcome: str,
+    *,
+    request_id: str | None,
+    tenant: str | None = None,
+    model: str | None = None,
+    slo_class: str | None = None,
+    instance_id: str | None = None,
+    latency_s: float | None = None,
+    met: bool | None = None,
+    code: str | None = None,
+    attempts: int | None = None,
+) -> None:
+    """One line per request outcome, at info (warning for ``failed``): the access log of qlm.
+    ``latency_s`` is submission to the answer; ``met`` whether its SLO was met."""
+    if outcome not in REQUEST_OUTCOMES:
+        raise ValueError(f"unknown request outcome {outcome!r}")
+    fields: dict[str, object] = {
+        "outcome": outcome,
+        "request_id": request_id,
+        "tenant": tenant,
+        "model": model,
+        "slo_class": slo_class,
+        "instance_id": instance_id,
+        "latency_s": None if latency_s is None else round(max(0.0, latency_s), 6),
+        "met": met,
+    }
+    if code is not None:
+        fields["code"] = code
+    if attempts is not None:
+        fields["attempts"] = attempts
+    if outcome == "failed":
+        _requests_log.warning("request_outcome", **fields)
+    else:
+        _requests_log.info("request_outcome", **fields)
+
+
 _gc_watched = False
+# The threshold in force: a later call (an in-process CLI run) changes it, never adds a callback.
+_gc_threshold_s = [0.05]
 
 
-def watch_gc_pauses(threshold_s: float = 0.01) -> None:
-    """Log every garbage-collector pass that stops the process longer than ``threshold_s``:
-    a full collection over a large heap pauses the event loop, which shows up as a latency
-    tail with no other trace in the logs."""
+def watch_gc_pauses(threshold_s: float = 0.05) -> None:
+    """Log every garbage-collector pass that stops the process longer than ``threshold_s``
+    (``QLM_GC_PAUSE_WARN_MS``): a full collection over a large heap pauses the event loop,
+    which shows up as a latency tail with no other trace in the logs. Short young-generation
+    passes are routine and not logged; a threshold of 0 or less turns the warnings off."""
     import gc
     import time
 
     global _gc_watched
-    if _gc_watched:  # one callback per process (in-process CLI runs call this repeatedly)
+    _gc_threshold_s[0] = threshold_s
+    if _gc_watched or threshold_s <= 0:  # one callback per process, and none when off
         return
     _gc_watched = True
     log = structlog.get_logger("qlm.gc")
@@ -131,12 +200,72 @@ def watch_gc_pauses(threshold_s: float = 0.01) -> None:
             started[0] = time.perf_counter()
             return
         pause = time.perf_counter() - started[0]
-        if pause >= threshold_s:
+        limit = _gc_threshold_s[0]
+        if limit > 0 and pause >= limit:
             log.warning(
                 "gc_pause",
                 generation=info.get("generation"),
                 pause_ms=round(pause * 1000, 1),
                 collected=info.get("collected"),
+                threshold_ms=round(limit * 1000, 1),
             )
 
     gc.callbacks.append(callback)
+
+
+_highs_lock = threading.Lock()
+_highs_done = False
+
+
+def absorb_highs_banner() -> None:
+    """Make the HiGHS solver print its banner now, into a structured log line.
+
+    HiGHS (under cvxpy, for the planner's MILP and the capacity ILP) writes ``Running HiGHS
+    ... Copyright ...`` straight to file descriptor 1 from C++ the first time a solver object
+    is made in a process, whatever ``verbose``/``output_flag`` say, breaking the JSON-lines
+    stream. Called before a solve: the first call makes one solver object with fd 1 pointed at
+    a temporary file and logs what it wrote (``third_party_output``, source ``highs``); later
+    calls return at once. A no-op without highspy."""
+    global _highs_done
+    if _highs_done:
+        return
+    with _highs_lock:
+        if _highs_done:
+            return
+        _highs_done = True
+        try:
+            import highspy
+        except ImportError:
+            return
+        text = _capture_fd1(highspy.Highs)
+        if text.strip():
+            structlog.get_logger("qlm.solver").info(
+                "third_party_output", source="highs", text=text.strip()[:2000]
+            )
+
+
+def _capture_fd1(make: object) -> str:
+    """Run ``make()`` with file descriptor 1 redirected; return what was written to it."""
+    assert callable(make)
+    sys.stdout.flush()
+    saved = os.dup(1)
+    with tempfile.TemporaryFile() as tmp:
+        try:
+            os.dup2(tmp.fileno(), 1)
+            make()
+        finally:
+            sys.stdout.flush()
+            _flush_c_stdio()  # C's stdout is block-buffered when fd 1 is not a terminal
+            os.dup2(saved, 1)
+            os.close(saved)
+        tmp.seek(0)
+        return tmp.read().decode(errors="replace")
+
+
+def _flush_c_stdio() -> None:
+    import contextlib
+    import ctypes
+
+    # no C library to flush (not POSIX): nothing was buffered there
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).fflush(None)

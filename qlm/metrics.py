@@ -1,25 +1,34 @@
-"""Prometheus metrics of one coordinator, exposed by the admin API at ``GET /metrics``.
+"""Prometheus metrics of qlm's processes: the coordinator (admin API ``GET /metrics``), the
+gateway (its own ``GET /metrics``); the agent's are in ``qlm/agents/health.py``.
 
-Each :class:`CoordinatorMetrics` owns its own ``CollectorRegistry`` (never the process-global
-one) so that several coordinators can live in one process, as they do in tests. The coordinator
+Each metrics object owns its own ``CollectorRegistry`` (never the process-global one) so that
+several coordinators or gateways can live in one process, as they do in tests. The coordinator
 calls the ``set_*``/``observe_*`` methods on its hot path; each is a dict lookup plus one
 locked update inside ``prometheus_client``.
+
+Naming (docs/metrics.md): qlm's own metrics are ``qlm_*``; where one means what a vLLM metric
+means, it takes vLLM's name after the prefix (``vllm:time_to_first_token_seconds`` ->
+``qlm_time_to_first_token_seconds``), vLLM's ``model_name`` label and vLLM's bucket layout, so
+that a dashboard built for one reads the other. No label is called ``instance``: Prometheus
+sets that label to the scrape target and would rename ours to ``exported_instance``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.metrics import MetricWrapperBase
 
 # Final fates of a request; a typo in the coordinator should fail loudly, not add a series.
 OUTCOMES: frozenset[str] = frozenset(
     {"completed", "failed", "rejected", "dead_lettered", "cancelled"}
 )
 
-# Broker delivery -> engine start spans sub-millisecond (idle cluster) to seconds (backlog).
+# Coordinator dispatch -> engine start spans sub-millisecond (idle cluster) to seconds (backlog).
 LATENCY_BUCKETS_S: tuple[float, ...] = (
     0.0005,
     0.001,
@@ -62,19 +71,159 @@ OVERFLOW_SLO_CLASS = "other"
 MAX_REQUEUE_REASONS = 32
 OVERFLOW_REQUEUE_REASON = "other"
 
+# vLLM's bucket layouts (vllm/v1/metrics/buckets.py), copied so that qlm's histograms and the
+# engine's line up bucket for bucket: end to end and queue time ...
+REQUEST_LATENCY_BUCKETS_S: tuple[float, ...] = (
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+    120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
+)  # fmt: skip
+# ... time to first token ...
+TTFT_BUCKETS_S: tuple[float, ...] = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+    10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+)  # fmt: skip
+# ... and time per output token (vLLM's inter-token latency buckets).
+TPOT_BUCKETS_S: tuple[float, ...] = (
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+    10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+# HTTP calls of the gateway: a /v1/models call takes a millisecond, a long generation minutes.
+HTTP_BUCKETS_S: tuple[float, ...] = (
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
+    600.0,
+)  # fmt: skip
+
+# Per-request histograms carry model_name x slo_class x tenant. Tenants are unbounded (every
+# API key is one), so the first MAX_TENANTS distinct tenants a process sees get a series of
+# their own and every later one is counted under "other"; a request without a tenant is
+# "none". Models are bounded by the catalog, but capped too against a misbehaving producer.
+MAX_TENANTS = 32
+MAX_MODELS = 64
+NO_TENANT = "none"
+OVERFLOW_LABEL = "other"
+# Request label sets (model_name, slo_class, tenant) of the per-request histograms.
+REQUEST_LABELS = ("model_name", "slo_class", "tenant")
+
+
+@dataclass(frozen=True)
+class MetricDef:
+    """One metric family as exposed: its name as PromQL uses it (counters with ``_total``),
+    type, label names and HELP text. docs/metrics.md lists exactly these (a test checks)."""
+
+    name: str
+    kind: str  # counter | gauge | histogram
+    labels: tuple[str, ...]
+    help: str
+
+    def sample_names(self) -> tuple[str, ...]:
+        """Every sample name a query may use for this family."""
+        if self.kind == "histogram":
+            base = self.name
+            return (base, f"{base}_bucket", f"{base}_sum", f"{base}_count", f"{base}_created")
+        if self.kind == "counter":
+            return (self.name, self.name.removesuffix("_total") + "_created")
+        return (self.name,)
+
+
+def wrapper_defs(metrics: Iterable[Any]) -> list[MetricDef]:
+    """The :class:`MetricDef` of each prometheus_client metric object among ``metrics``.
+
+    Reads the wrappers' ``_name``/``_type``/``_labelnames``/``_documentation``: a registry's
+    exposition omits the label names of a family with no series yet, and the docs test must
+    see them all from a fresh registry."""
+    out = []
+    for m in metrics:
+        if not isinstance(m, MetricWrapperBase):
+            continue
+        kind = str(m._type)
+        name = m._name + ("_total" if kind == "counter" else "")
+        out.append(MetricDef(name, kind, tuple(m._labelnames), m._documentation))
+    return sorted(out, key=lambda d: d.name)
+
+
+class LabelCap:
+    """A bounded label: the first ``limit`` distinct values pass, later ones become
+    ``overflow``; an empty value is ``empty``, which (like ``overflow``) always passes."""
+
+    def __init__(self, limit: int, *, empty: str, overflow: str = OVERFLOW_LABEL) -> None:
+        self.limit = limit
+        self.empty = empty
+        self.overflow = overflow
+        self._seen: set[str] = set()
+
+    def __call__(self, value: str | None) -> str:
+        label = value or self.empty
+        if label in self._seen or label == self.empty or label == self.overflow:
+            return label
+        if len(self._seen) >= self.limit:
+            return self.overflow
+        self._seen.add(label)
+        return label
+
 
 class CoordinatorMetrics:
     """The coordinator's metrics, in a private registry."""
 
-    def __init__(self, namespace: str = "qlm") -> None:
+    def __init__(self, namespace: str = "qlm", *, max_tenants: int = MAX_TENANTS) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self._queue_depth = Gauge(
             f"{namespace}_virtual_queue_depth",
             "Requests waiting in the instance's virtual queue",
-            ["instance"],
+            ["instance_id"],
             registry=r,
         )
+        # Per instance, from its agent's heartbeats (vLLM's names: the same meaning, engine-side)
+        self._inst_running = Gauge(
+            f"{namespace}_instance_num_requests_running",
+            "Requests running in the instance's engine, as its last heartbeat said",
+            ["instance_id"],
+            registry=r,
+        )
+        self._inst_waiting = Gauge(
+            f"{namespace}_instance_num_requests_waiting",
+            "Requests waiting inside the instance's engine, as its last heartbeat said",
+            ["instance_id"],
+            registry=r,
+        )
+        self._inst_kv = Gauge(
+            f"{namespace}_instance_kv_cache_usage_perc",
+            "KV-cache usage of the instance's engine (1 means 100 percent), as its last "
+            "heartbeat said",
+            ["instance_id"],
+            registry=r,
+        )
+        # Per finished request (answered with a result), by model, SLO class and tenant.
+        self._queue_time = Histogram(
+            f"{namespace}_request_queue_time_seconds",
+            "Submission to the start of the engine attempt that answered the request",
+            REQUEST_LABELS,
+            buckets=REQUEST_LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self._ttft = Histogram(
+            f"{namespace}_time_to_first_token_seconds",
+            "Submission to the first output token, earliest across attempts",
+            REQUEST_LABELS,
+            buckets=TTFT_BUCKETS_S,
+            registry=r,
+        )
+        self._tpot = Histogram(
+            f"{namespace}_request_time_per_output_token_seconds",
+            "Mean time between output tokens after the first, per request with two or more",
+            REQUEST_LABELS,
+            buckets=TPOT_BUCKETS_S,
+            registry=r,
+        )
+        self._e2e = Histogram(
+            f"{namespace}_e2e_request_latency_seconds",
+            "Submission to the last output token",
+            REQUEST_LABELS,
+            buckets=REQUEST_LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self._tenant_label = LabelCap(max_tenants, empty=NO_TENANT)
+        self._model_label = LabelCap(MAX_MODELS, empty="unknown")
         self._requests = Gauge(
             f"{namespace}_requests_in_state",
             "Requests currently held by the coordinator, by lifecycle state",
@@ -101,7 +250,8 @@ class CoordinatorMetrics:
         )
         self._dispatch_latency = Histogram(
             f"{namespace}_dispatch_latency_seconds",
-            "Broker delivery to engine start",
+            "Coordinator dispatch (order sent to the agent) to engine start on the agent; "
+            "two hosts' wall clocks",
             buckets=LATENCY_BUCKETS_S,
             registry=r,
         )
@@ -198,6 +348,7 @@ class CoordinatorMetrics:
         )
         # Label children are cached: ``labels()`` takes a lock and builds a tuple each call.
         self._depth_children: dict[str, Gauge] = {}
+        self._engine_instances: dict[str, tuple[Gauge, Gauge, Gauge]] = {}
         self._state_children: dict[str, Gauge] = {}
         self._outcome_children = {o: self._outcomes.labels(outcome=o) for o in OUTCOMES}
         self._slo_children: dict[tuple[str, bool], Counter] = {}
@@ -212,7 +363,7 @@ class CoordinatorMetrics:
         child = self._depth_children.get(instance_id)
         if child is None:
             child = self._depth_children[instance_id] = self._queue_depth.labels(
-                instance=instance_id
+                instance_id=instance_id
             )
         child.set(n)
 
@@ -220,6 +371,28 @@ class CoordinatorMetrics:
         """Drop a lost/removed instance's series; a no-op for an instance never seen."""
         if self._depth_children.pop(instance_id, None) is not None:
             self._queue_depth.remove(instance_id)
+        self.remove_instance_engine(instance_id)
+
+    def remove_instance_engine(self, instance_id: str) -> None:
+        """Drop the engine-stat series of an instance no longer heard from."""
+        if self._engine_instances.pop(instance_id, None) is not None:
+            for gauge in (self._inst_running, self._inst_waiting, self._inst_kv):
+                gauge.remove(instance_id)
+
+    def set_instance_engine(
+        self, instance_id: str, *, running: int, waiting: int, kv_usage: float
+    ) -> None:
+        """The engine stats of an instance's latest heartbeat (``kv_usage`` in 0..1)."""
+        children = self._engine_instances.get(instance_id)
+        if children is None:
+            children = self._engine_instances[instance_id] = (
+                self._inst_running.labels(instance_id=instance_id),
+                self._inst_waiting.labels(instance_id=instance_id),
+                self._inst_kv.labels(instance_id=instance_id),
+            )
+        children[0].set(running)
+        children[1].set(waiting)
+        children[2].set(kv_usage)
 
     def set_state_counts(self, counts: Mapping[str, int]) -> None:
         """Set the current count per state; a state missing from ``counts`` is set to 0."""
@@ -318,6 +491,37 @@ class CoordinatorMetrics:
 
     # ---- histograms ---------------------------------------------------------------------
 
+    def observe_request(
+        self,
+        *,
+        model: str,
+        slo_class: str | None,
+        tenant: str | None,
+        queue_s: float | None,
+        ttft_s: float | None,
+        tpot_s: float | None,
+        e2e_s: float | None,
+    ) -> None:
+        """The latencies of one request answered with a result (None: not known)."""
+        labels = self.request_labels(model, slo_class, tenant)
+        for hist, seconds in (
+            (self._queue_time, queue_s),
+            (self._ttft, ttft_s),
+            (self._tpot, tpot_s),
+            (self._e2e, e2e_s),
+        ):
+            if seconds is not None:
+                hist.labels(*labels).observe(max(0.0, seconds))
+
+    def request_labels(
+        self, model: str, slo_class: str | None, tenant: str | None
+    ) -> tuple[str, str, str]:
+        """(model_name, slo_class, tenant) label values, each capped (see MAX_TENANTS)."""
+        slo = slo_class or DEFAULT_SLO_CLASS
+        if slo not in self._slo_classes and len(self._slo_classes) >= MAX_SLO_CLASSES:
+            slo = OVERFLOW_SLO_CLASS
+        return self._model_label(model), slo, self._tenant_label(tenant)
+
     def observe_dispatch_latency(self, seconds: float) -> None:
         # Wall clocks of two hosts can disagree slightly; a negative sample would corrupt _sum.
         self._dispatch_latency.observe(max(0.0, seconds))
@@ -344,3 +548,80 @@ class CoordinatorMetrics:
     def render(self) -> tuple[bytes, str]:
         """The Prometheus text exposition of this registry, and its content type."""
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+    def definitions(self) -> list[MetricDef]:
+        return wrapper_defs(vars(self).values())
+
+
+# ---- the gateway --------------------------------------------------------------------------
+
+# The gateway's routes as a bounded label: anything else (a scanner's probes) is "other".
+GATEWAY_ROUTES: frozenset[str] = frozenset(
+    {
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/v1/models",
+        "/v1/models/{model}",
+        "/healthz",
+        "/readyz",
+        "/metrics",
+    }
+)
+
+
+def gateway_route(path: str) -> str:
+    if path in GATEWAY_ROUTES:
+        return path
+    if path.startswith("/v1/models/"):
+        return "/v1/models/{model}"
+    return "other"
+
+
+class GatewayMetrics:
+    """The gateway's metrics, in a private registry (``GET /metrics`` of the gateway)."""
+
+    def __init__(self, waiting: Callable[[], float] | None = None) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self._requests = Counter(
+            "qlm_gateway_requests",
+            "HTTP requests answered, by route and status code (499: the client went away)",
+            ["route", "status"],
+            registry=r,
+        )
+        self._duration = Histogram(
+            "qlm_gateway_request_duration_seconds",
+            "HTTP request arrival to the end of its response (a stream's last event)",
+            ["route"],
+            buckets=HTTP_BUCKETS_S,
+            registry=r,
+        )
+        self._ttft = Histogram(
+            "qlm_gateway_time_to_first_token_seconds",
+            "Streamed calls: HTTP request arrival to the stream's first piece (its first "
+            "tokens, or the whole answer) ready to send to the client",
+            ["model_name"],
+            buckets=TTFT_BUCKETS_S,
+            registry=r,
+        )
+        self._waiting = Gauge(
+            "qlm_gateway_requests_waiting",
+            "Calls published and waiting for their reply",
+            registry=r,
+        )
+        if waiting is not None:
+            self._waiting.set_function(waiting)
+        self._model_label = LabelCap(MAX_MODELS, empty="unknown")
+
+    def observe_http(self, route: str, status: int, seconds: float) -> None:
+        self._requests.labels(route=route, status=str(status)).inc()
+        self._duration.labels(route=route).observe(max(0.0, seconds))
+
+    def observe_stream_ttft(self, model: str, seconds: float) -> None:
+        self._ttft.labels(model_name=self._model_label(model)).observe(max(0.0, seconds))
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+    def definitions(self) -> list[MetricDef]:
+        return wrapper_defs(vars(self).values())

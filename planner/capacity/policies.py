@@ -25,9 +25,6 @@ from what the driver has already asked for, so repeating a decision is idempoten
 from __future__ import annotations
 
 import math
-import os
-import sys
-import threading
 import time
 import warnings
 from abc import ABC, abstractmethod
@@ -40,6 +37,7 @@ import numpy as np
 import structlog
 
 from qlm.capacity.forecast import TokenForecast
+from qlm.logging import absorb_highs_banner
 
 log = structlog.get_logger(__name__)
 
@@ -181,33 +179,12 @@ class IlpResult:
         }
 
 
-_BANNER_LOCK = threading.Lock()
-_banner_done = False
-
-
 def _silence_highs_banner() -> None:
     """highspy prints a copyright banner on stdout (the C++ stream, not ``sys.stdout``) when the
     first solver object of a process is built; ``log_to_console`` cannot stop it. It would break
-    a command's JSON on stdout, so the first object is built here with fd 1 pointed at
-    /dev/null."""
-    global _banner_done
-    with _BANNER_LOCK:
-        if _banner_done:
-            return
-        _banner_done = True
-        try:
-            import highspy
-        except ImportError:  # cvxpy reports the missing solver when it is asked for
-            return
-        sys.stdout.flush()
-        saved = os.dup(1)
-        try:
-            with open(os.devnull, "wb") as null:
-                os.dup2(null.fileno(), 1)
-                highspy.Highs()
-        finally:
-            os.dup2(saved, 1)
-            os.close(saved)
+    a command's JSON on stdout: qlm.logging builds the first object with fd 1 captured and logs
+    the banner as a structured line instead."""
+    absorb_highs_banner()
 
 
 def _validate_counts(current: Mapping[Cell, int], spec: CapacitySpec) -> None:

@@ -67,6 +67,7 @@ from qlm.coordinator.validation import (
     parse_request,
     reply_route,
 )
+from qlm.logging import log_request_outcome
 from qlm.metrics import CoordinatorMetrics
 from qlm.policy import QueuePolicy
 from qlm.store import AnswerLogUnavailable, RequestStatus, Store, StoredAnswer
@@ -104,6 +105,32 @@ AGENT_QUEUE_PREFIX = agent_queue("")
 
 def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value or "")
+
+
+def request_log(
+    outcome: str,
+    t: TrackedRequest,
+    *,
+    instance_id: str | None = None,
+    latency_s: float | None = None,
+    met: bool | None = None,
+    code: str | None = None,
+) -> None:
+    """The request's one ``request_outcome`` line (qlm/logging.py); latency from submission
+    to now unless given."""
+    req = t.request
+    log_request_outcome(
+        outcome,
+        request_id=t.request_id,
+        tenant=req.tenant,
+        model=req.model,
+        slo_class=req.slo.slo_class,
+        instance_id=instance_id if instance_id is not None else t.instance_id,
+        latency_s=time.time() - t.submitted_at if latency_s is None else latency_s,
+        met=met,
+        code=code,
+        attempts=t.attempts,
+    )
 
 
 def _user_id(message: AbstractIncomingMessage) -> str | None:
@@ -397,13 +424,13 @@ class Coordinator:
                 self.core.collective.check(req)
             except GraphError as exc:
                 err = InvalidRequest(ErrorCode.INVALID_GRAPH, str(exc), req.request_id)
-                await self._reject(message, err, now)
+                await self._reject(message, err, now, req)
                 return
         hold_until = None
         if req.request_id not in self.core.requests:
             hold_until = self._unserved_hold_until(req.model, now)
             if hold_until is not None and hold_until <= now:
-                await self._reject(message, self._not_served(req.model, req.request_id), now)
+                await self._reject(message, self._not_served(req.model, req.request_id), now, req)
                 return
         tracked, outcome = self.core.admit(
             req,
@@ -424,7 +451,7 @@ class Coordinator:
                 "this request_id belongs to a request of another tenant; choose a unique id",
                 req.request_id,
             )
-            await self._reject(message, err, now)
+            await self._reject(message, err, now, req)
             return
         if outcome == "duplicate":
             # The same id again while it is tracked: not run twice, and not held either (a
@@ -448,7 +475,7 @@ class Coordinator:
             err = InvalidRequest(
                 ErrorCode.OVERLOADED, shed.message(), req.request_id, shed.details()
             )
-            await self._reject(message, err, now)
+            await self._reject(message, err, now, req)
             return
         self.ingested += 1
         if hold_until is not None and outcome == "new":
@@ -477,7 +504,11 @@ class Coordinator:
         self._pump()
 
     async def _reject(
-        self, message: AbstractIncomingMessage, bad: InvalidRequest, now: float
+        self,
+        message: AbstractIncomingMessage,
+        bad: InvalidRequest,
+        now: float,
+        req: RequestMessage | None = None,
     ) -> None:
         """Invalid input: error reply (when there is a reply_to), a dead-letter copy carrying
         the reason, then ack: the message can never succeed, so it must not be redelivered."""
@@ -525,6 +556,16 @@ class Coordinator:
             bad.request_id, bad.code.value, now, {"message": bad.message, **(bad.details or {})}
         )
         self.metrics.observe_outcome("rejected")
+        log_request_outcome(
+            "rejected",
+            request_id=bad.request_id,
+            tenant=None if req is None else req.tenant,
+            model=None if req is None else req.model,
+            slo_class=None if req is None else req.slo.slo_class,
+            latency_s=time.time() - now,
+            met=False,
+            code=bad.code.value,
+        )
 
     async def _reply(
         self,
@@ -804,6 +845,22 @@ class Coordinator:
             self.metrics.observe_task(outcome.task_met)
         if t.dispatched_at is not None:
             self.metrics.observe_dispatch_latency(max(0.0, c.started_at - t.dispatched_at))
+        self.metrics.observe_request(
+            model=t.request.model,
+            slo_class=t.request.slo.slo_class,
+            tenant=t.request.tenant,
+            queue_s=c.started_at - t.submitted_at,
+            ttft_s=None if outcome.ttft_ms is None else outcome.ttft_ms / 1000,
+            tpot_s=None if outcome.tbt_ms is None else outcome.tbt_ms / 1000,
+            e2e_s=None if outcome.e2e_ms is None else outcome.e2e_ms / 1000,
+        )
+        request_log(
+            "answered",
+            t,
+            instance_id=c.instance_id,
+            latency_s=None if outcome.e2e_ms is None else outcome.e2e_ms / 1000,
+            met=outcome.met,
+        )
 
     async def _fail(self, f: Failure, ctl_msg: AbstractIncomingMessage) -> None:
         t = self.core.accept_result(f.request_id, f.dispatch_id)
@@ -828,6 +885,9 @@ class Coordinator:
             error_code=ErrorCode.ENGINE_ERROR.value,
         )
         self.metrics.observe_outcome("failed")
+        request_log(
+            "failed", t, instance_id=f.instance_id, met=False, code=ErrorCode.ENGINE_ERROR.value
+        )
 
     # ------------------------------------------------------------------ unserved models
     def _unserved_hold_until(self, model: str, now: float) -> float | None:
@@ -934,6 +994,7 @@ class Coordinator:
             error_code=bad.code.value,
         )
         self.metrics.observe_outcome("rejected")
+        request_log("rejected", t, met=False, code=bad.code.value)
         self._pump()
 
     # ------------------------------------------------------------------ cancels
@@ -1016,6 +1077,7 @@ class Coordinator:
             error_code=ErrorCode.CANCELLED.value,
         )
         self.metrics.observe_outcome("cancelled")
+        request_log("cancelled", t, met=False, code=ErrorCode.CANCELLED.value)
         self._pump()
 
     async def _reply_cancelled_on_arrival(
@@ -1042,6 +1104,16 @@ class Coordinator:
                 return
         self.core.finish(req.request_id)
         self.metrics.observe_outcome("cancelled")
+        log_request_outcome(
+            "cancelled",
+            request_id=req.request_id,
+            tenant=req.tenant,
+            model=req.model,
+            slo_class=req.slo.slo_class,
+            latency_s=time.time() - now,
+            met=False,
+            code=ErrorCode.CANCELLED.value,
+        )
         await message.ack()
 
     async def _record_answer(
@@ -1192,6 +1264,7 @@ class Coordinator:
                 # This loop was blocked (e.g. a long replan): heartbeats that arrived meanwhile
                 # are still waiting in the broker. Judge liveness on the next tick, not now.
                 log.warning("liveness_check_skipped", lag_s=round(gap, 3))
+                self._refresh_gauges()  # the metrics still follow the latest heartbeats
                 continue
             if self.core.promote_due(now):
                 self._pump()
@@ -1260,6 +1333,18 @@ class Coordinator:
             sum(1 for i in self.core.instances.values() if i.status != "lost")
         )
         self.metrics.set_unacked(len(self.core.requests))
+        for iid, inst in self.core.instances.items():
+            st = inst.last_status
+            if inst.status == "lost" or st is None:
+                self.metrics.remove_instance_engine(iid)
+                continue
+            cap = inst.info.kv_capacity_tokens
+            self.metrics.set_instance_engine(
+                iid,
+                running=st.running,
+                waiting=st.waiting,
+                kv_usage=min(1.0, st.kv_used_tokens / cap) if cap > 0 else 0.0,
+            )
 
     # ------------------------------------------------------------------ admin backend
     def list_instances(self) -> list[dict[str, Any]]:

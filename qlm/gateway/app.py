@@ -34,7 +34,7 @@ from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, Field, SecretStr, ValidationError, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import Receive
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from qlm.admin import AdminServer, serve_admin
 from qlm.catalog import ModelCatalog, ModelSpec, UnknownModelError
@@ -58,6 +58,7 @@ from qlm.gateway.openai_types import (
 )
 from qlm.gateway.served import ServedModelsWatcher
 from qlm.gateway.sse import DONE, SseRenderer, error_event, stream_events
+from qlm.metrics import GatewayMetrics, gateway_route
 from qlm.types import (
     SLO,
     ChatMessage,
@@ -190,6 +191,11 @@ class GatewayClient(QlmClient):
 
     def __init__(self, amqp_url: str) -> None:
         super().__init__(amqp_url, app_id="qlm-gateway")
+
+    def connected(self) -> bool:
+        """Connected to the broker now (a robust connection that is reconnecting is not)."""
+        conn = self._connection
+        return conn is not None and not conn.is_closed
 
 
 # --- errors ----------------------------------------------------------------------------------
@@ -802,11 +808,13 @@ def create_gateway_app(
     catalog: ModelCatalog,
     settings: GatewaySettings | None = None,
     served: ServedModelsWatcher | None = None,
+    metrics: GatewayMetrics | None = None,
 ) -> FastAPI:
     """The gateway's ASGI app. ``client`` must be connected; its lifetime is the caller's
     (one client per process, shared by every call). ``served`` (started) gives ``/v1/models``
     the models live agents serve; without it the catalog is listed."""
     gw = _Gateway(client, keys, catalog, settings or GatewaySettings(), served)
+    m = metrics or GatewayMetrics(waiting=client.outstanding)
     app = FastAPI(
         title="qlm gateway",
         summary="OpenAI-compatible front door onto qlm's durable queue",
@@ -814,6 +822,8 @@ def create_gateway_app(
         redoc_url=None,
         openapi_url=None,
     )
+    app.add_middleware(_HttpMetrics, metrics=m)
+    app.state.metrics = m
 
     async def handle(
         request: Request,
@@ -845,6 +855,7 @@ def create_gateway_app(
                 stream, first, deadline = await gw.open_stream(request, message)
             except _ClientGone:
                 return Response(status_code=499)
+            m.observe_stream_ttft(body.model, time.perf_counter() - started)
             return _stream(gw.stream_body(call, tenant, stream, first, deadline), rid)
         try:
             result = await gw.round_trip(request, message)
@@ -893,7 +904,25 @@ def create_gateway_app(
     @app.get("/healthz")
     async def healthz() -> dict[str, Any]:
         # Open, like the admin API's: probes carry no key. Says nothing about tenants or keys.
+        # Liveness only: a lost broker is reconnected by the client itself.
         return {"status": "ok", "waiting": client.outstanding()}
+
+    @app.get("/readyz")
+    async def readyz() -> Response:
+        # Readiness: a call can be published now (connected to the broker).
+        ready = client.connected()
+        return Response(
+            json.dumps({"status": "ok" if ready else "not_ready", "broker_connected": ready}),
+            status_code=200 if ready else 503,
+            media_type="application/json",
+        )
+
+    @app.get("/metrics")
+    def prometheus_metrics() -> Response:
+        # Sync: rendering runs in the threadpool (the registry is thread-safe); the waiting
+        # gauge reads one dict, a benign race at worst.
+        text, content_type = m.render()
+        return Response(content=text, media_type=content_type)
 
     @app.exception_handler(GatewayError)
     async def _gateway_error(_: Request, exc: GatewayError) -> Response:
@@ -912,6 +941,42 @@ def create_gateway_app(
         ).response()
 
     return app
+
+
+class _HttpMetrics:
+    """Counts every HTTP call by route and status and times it to its last body byte (a
+    stream's last event). Plain ASGI, not BaseHTTPMiddleware: that one wraps ``receive``,
+    which the handlers read themselves to notice a client that goes away."""
+
+    def __init__(self, app: ASGIApp, metrics: GatewayMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = time.perf_counter()
+        route = gateway_route(scope.get("path", ""))
+        status = [500]  # if the app fails before it answers, the server answers 500
+        done = [False]
+
+        def record() -> None:
+            if not done[0]:
+                done[0] = True
+                self.metrics.observe_http(route, status[0], time.perf_counter() - started)
+
+        async def send_and_count(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = int(message["status"])
+            await send(message)
+            if message["type"] == "http.response.body" and not message.get("more_body"):
+                record()
+
+        try:
+            await self.app(scope, receive, send_and_count)
+        finally:
+            record()  # a response cut short (client gone, error) is counted with its status
 
 
 # --- serving ---------------------------------------------------------------------------------

@@ -144,6 +144,9 @@ class LocalCluster:
         self.coordinator: subprocess.Popen[bytes] | None = None
         self.standby: subprocess.Popen[bytes] | None = None
         self.agents: dict[str, subprocess.Popen[bytes]] = {}
+        # each agent's health port (GET /healthz, /readyz, /metrics): a free loopback port of
+        # its own, not the default 0.0.0.0:9400 that several agents on one host would share
+        self.agent_health: dict[str, str] = {}
 
     def _env(self) -> dict[str, str]:
         env = dict(os.environ)
@@ -203,7 +206,10 @@ class LocalCluster:
         for name, path in spec.get("model_paths", {}).items():
             args += ["--model-path", f"{name}={path}"]
         args += list(spec.get("extra_args", []))
-        self.agents[aid] = self._spawn(aid, args, spec.get("env"))
+        port = _free_port()
+        self.agent_health[aid] = f"http://127.0.0.1:{port}"
+        env = {"QLM_AGENT_HEALTH_PORT": str(port), "QLM_AGENT_HEALTH_HOST": "127.0.0.1"}
+        self.agents[aid] = self._spawn(aid, args, {**env, **spec.get("env", {})})
 
     async def start(self, timeout: float = 60.0) -> None:
         self.coordinator = self._spawn("coordinator", ["coordinator"])

@@ -672,3 +672,51 @@ def test_gateway_command_refuses_to_start_without_usable_keys(
     monkeypatch.setenv("QLM_GATEWAY_PORT", "70000")
     out = CliRunner().invoke(cli, ["gateway"])
     assert out.exit_code == 2 and "QLM_GATEWAY_PORT" in out.output
+
+
+# --- health and metrics ----------------------------------------------------------------------
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_readyz_and_metrics_count_calls_by_route_and_status_and_stream_ttft(
+    stack: Stack,
+) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def scrape(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+        return {
+            (s.name, frozenset(s.labels.items())): s.value
+            for f in text_string_to_metric_families(text)
+            for s in f.samples
+        }
+
+    async with stack.http() as http:
+        assert (await http.get("/healthz")).status_code == 200
+        ready = await http.get("/readyz")
+        assert ready.status_code == 200 and ready.json()["broker_connected"] is True
+        before = scrape((await http.get("/metrics")).text)
+        api = stack.openai()
+        await api.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4
+        )
+        chunks = await api.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4, stream=True
+        )
+        async for _ in chunks:
+            pass
+        await http.get("/nope")  # any other path is one bounded label
+        resp = await http.get("/metrics")
+    assert resp.headers["content-type"].startswith("text/plain")
+    after = scrape(resp.text)
+
+    def grew(name: str, **labels: str) -> float:
+        key = (name, frozenset(labels.items()))
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    route = {"route": "/v1/chat/completions", "status": "200"}
+    assert grew("qlm_gateway_requests_total", **route) == 2
+    assert grew("qlm_gateway_requests_total", route="other", status="404") == 1
+    assert grew("qlm_gateway_request_duration_seconds_count", route="/v1/chat/completions") == 2
+    assert grew("qlm_gateway_time_to_first_token_seconds_count", model_name=MODEL) == 1
+    assert ("qlm_gateway_requests_waiting", frozenset()) in after
+    assert not any("instance" in dict(labels) for _, labels in after)

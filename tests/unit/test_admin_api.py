@@ -387,22 +387,27 @@ async def test_only_exact_bearer_tokens_pass(header: str, write: bool) -> None:
 # ---- endpoints ------------------------------------------------------------------------------
 
 
-async def test_healthz_needs_no_auth_and_reports_degraded_as_503(
+async def test_healthz_and_readyz_need_no_auth_and_readyz_reports_degraded_as_503(
     client: httpx.AsyncClient, backend: MemoryBackend
 ) -> None:
-    resp = await client.get("/healthz")
-    assert resp.status_code == 200
-    assert resp.json() == {
-        "status": "ok",
-        "broker_connected": True,
-        "store_ok": True,
-        "active": True,
-    }
+    for path in ("/healthz", "/readyz"):
+        resp = await client.get(path)
+        assert resp.status_code == 200
+        assert resp.json() == {
+            "status": "ok",
+            "broker_connected": True,
+            "store_ok": True,
+            "active": True,
+        }
     backend.broker_connected = False
-    resp = await client.get("/healthz")
+    resp = await client.get("/readyz")
     assert resp.status_code == 503
     assert resp.json()["status"] == "degraded"
     assert resp.json()["broker_connected"] is False
+    # liveness: the process is alive and reconnects by itself; a restart would not help
+    resp = await client.get("/healthz")
+    assert resp.status_code == 200
+    assert resp.json()["status"] == "degraded"
 
 
 async def test_instances_and_queues(client: httpx.AsyncClient) -> None:
@@ -561,7 +566,7 @@ async def test_metrics_endpoint_exposes_observations(
     assert resp.status_code == 200
     assert resp.headers["content-type"].startswith("text/plain")
     text = resp.text
-    assert 'qlm_virtual_queue_depth{instance="gpu-a"} 3.0' in text
+    assert 'qlm_virtual_queue_depth{instance_id="gpu-a"} 3.0' in text
     assert 'qlm_slo_total{met="false",slo_class="interactive"} 1.0' in text
     assert "qlm_dispatch_latency_seconds_count 1.0" in text
     assert "qlm_replans_total 1.0" in text
@@ -574,6 +579,7 @@ async def test_openapi_documents_paths_models_and_security(client: httpx.AsyncCl
     doc = (await client.get("/openapi.json")).json()
     assert set(doc["paths"]) == {
         "/healthz",
+        "/readyz",
         "/metrics",
         "/v1/instances",
         "/v1/queues",
@@ -600,6 +606,7 @@ async def test_openapi_documents_paths_models_and_security(client: httpx.AsyncCl
     assert doc["components"]["securitySchemes"]["bearer"]["scheme"] == "bearer"
     assert doc["paths"]["/v1/replan"]["post"]["security"] == [{"bearer": []}]
     assert "security" not in doc["paths"]["/healthz"]["get"]
+    assert "security" not in doc["paths"]["/readyz"]["get"]
 
 
 # ---- real HTTP ------------------------------------------------------------------------------

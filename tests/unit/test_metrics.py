@@ -39,7 +39,7 @@ def test_registries_are_private_and_independent() -> None:
     a.set_queue_depth("gpu-0", 7)
     assert value(a, "qlm_requests_total", outcome="completed") == 1
     assert value(b, "qlm_requests_total", outcome="completed") == 0
-    assert value(b, "qlm_virtual_queue_depth", instance="gpu-0") is None
+    assert value(b, "qlm_virtual_queue_depth", instance_id="gpu-0") is None
     global_names = {f.name for f in prometheus_client.REGISTRY.collect()}
     assert not any(n.startswith("qlm_") for n in global_names)
 
@@ -59,7 +59,7 @@ def test_every_documented_metric_is_exposed_and_parseable() -> None:
     body, content_type = m.render()
     assert content_type.startswith("text/plain")
     s = samples(m)
-    assert s[("qlm_virtual_queue_depth", frozenset({("instance", "gpu-0")}))] == 3
+    assert s[("qlm_virtual_queue_depth", frozenset({("instance_id", "gpu-0")}))] == 3
     assert s[("qlm_requests_in_state", frozenset({("state", "dispatched")}))] == 1
     assert s[("qlm_slo_total", frozenset({("slo_class", "interactive"), ("met", "true")}))] == 1
     assert s[("qlm_dispatch_latency_seconds_count", frozenset())] == 1
@@ -97,10 +97,10 @@ def test_remove_instance_drops_its_series() -> None:
     m.set_queue_depth("gpu-1", 2)
     m.remove_instance("gpu-0")
     m.remove_instance("never-seen")  # no-op, no error
-    assert value(m, "qlm_virtual_queue_depth", instance="gpu-0") is None
-    assert value(m, "qlm_virtual_queue_depth", instance="gpu-1") == 2
+    assert value(m, "qlm_virtual_queue_depth", instance_id="gpu-0") is None
+    assert value(m, "qlm_virtual_queue_depth", instance_id="gpu-1") == 2
     m.set_queue_depth("gpu-0", 9)  # an instance that comes back gets a fresh series
-    assert value(m, "qlm_virtual_queue_depth", instance="gpu-0") == 9
+    assert value(m, "qlm_virtual_queue_depth", instance_id="gpu-0") == 9
 
 
 def test_latency_buckets_span_half_a_millisecond_to_ten_seconds() -> None:
@@ -157,3 +157,53 @@ def test_requeue_reason_cardinality_is_capped() -> None:
     }
     assert len(reasons) == MAX_REQUEUE_REASONS + 1
     assert value(m, "qlm_requeued_total", reason="other") == 10
+
+
+def test_request_histograms_carry_model_slo_class_and_a_capped_tenant() -> None:
+    from qlm.metrics import MAX_TENANTS, NO_TENANT, OVERFLOW_LABEL, TTFT_BUCKETS_S
+
+    m = CoordinatorMetrics()
+    for i in range(MAX_TENANTS + 5):
+        m.observe_request(
+            model="mistral-7b",
+            slo_class="chat",
+            tenant=f"t{i}",
+            queue_s=0.1,
+            ttft_s=0.2,
+            tpot_s=0.02,
+            e2e_s=1.0,
+        )
+    m.observe_request(
+        model="mistral-7b", slo_class=None, tenant=None, queue_s=None, ttft_s=-1.0, tpot_s=None,
+        e2e_s=2.0,
+    )  # fmt: skip
+    s = samples(m)
+
+    def count(name: str, tenant: str, slo: str = "chat") -> float | None:
+        labels = {("model_name", "mistral-7b"), ("slo_class", slo), ("tenant", tenant)}
+        return s.get((f"{name}_count", frozenset(labels)))
+
+    assert count("qlm_time_to_first_token_seconds", "t0") == 1
+    assert count("qlm_time_to_first_token_seconds", f"t{MAX_TENANTS - 1}") == 1
+    assert count("qlm_time_to_first_token_seconds", f"t{MAX_TENANTS}") is None
+    assert count("qlm_e2e_request_latency_seconds", OVERFLOW_LABEL) == 5
+    # no tenant, no class: "none" and "default"; a negative span (clock skew) counts as 0
+    assert count("qlm_time_to_first_token_seconds", NO_TENANT, "default") == 1
+    assert count("qlm_request_queue_time_seconds", NO_TENANT, "default") is None
+    le = {
+        dict(labels)["le"]
+        for (name, labels) in s
+        if name == "qlm_time_to_first_token_seconds_bucket"
+    }
+    assert len(le) == len(TTFT_BUCKETS_S) + 1  # vLLM's layout, plus +Inf
+
+
+def test_instance_engine_gauges_and_their_removal() -> None:
+    m = CoordinatorMetrics()
+    m.set_instance_engine("a-gpu0", running=3, waiting=1, kv_usage=0.5)
+    assert value(m, "qlm_instance_num_requests_running", instance_id="a-gpu0") == 3
+    assert value(m, "qlm_instance_num_requests_waiting", instance_id="a-gpu0") == 1
+    assert value(m, "qlm_instance_kv_cache_usage_perc", instance_id="a-gpu0") == 0.5
+    m.remove_instance("a-gpu0")
+    assert value(m, "qlm_instance_num_requests_running", instance_id="a-gpu0") is None
+    m.remove_instance_engine("never-seen")  # a no-op
