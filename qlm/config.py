@@ -102,7 +102,9 @@ class Settings(BaseSettings):
     # the agent's health port: GET /healthz, /readyz and /metrics (docs/metrics.md); 0 turns
     # it off. 0.0.0.0 so that the kubelet's probes and Prometheus reach it in a pod.
     agent_health_port: int = Field(default=9400, ge=0, le=65535)
-    agent_health_host: str = "0.0.0.0"  # noqa: S104 - probes come from outside the pod
+    # the address the agent's health port binds: every interface by default, since probes and
+    # scrapes come from outside the pod
+    agent_health_host: str = "0.0.0.0"  # noqa: S104
 
     @field_validator("amqp_url")
     @classmethod
