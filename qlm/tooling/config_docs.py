@@ -92,6 +92,8 @@ def _field_comments(cls: type[Any]) -> dict[str, str]:
             above.insert(0, lines[row].strip().lstrip("#").strip())
             row -= 1
         inline = lines[stmt.lineno - 1].partition("  # ")[2].strip()
+        if inline.startswith(("noqa", "type:")):  # a linter's pragma, not a meaning
+            inline = ""
         text = " ".join([*above, inline]).strip()
         out[stmt.target.id] = text or ("(see the variable above)" if follows else "")
     return out
