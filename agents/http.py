@@ -622,9 +622,12 @@ class HttpEngine(EngineBackend):
     # ---- observation ----------------------------------------------------------------------
 
     async def _poll_metrics(self) -> None:
-        while True:
+        while self._started:
+            # asyncio.timeout, not wait_for: Python 3.11's wait_for can swallow a cancel that
+            # arrives as the event is set (an output), and stop() would wait on it for ever
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._poll_now.wait(), self.settings.metrics_interval_s)
+                async with asyncio.timeout(self.settings.metrics_interval_s):
+                    await self._poll_now.wait()
             self._poll_now.clear()
             mark = _Snapshot(
                 started_mark=self._started_count,
