@@ -323,8 +323,8 @@ def _make_engines(
         from qlm.agents.http import HttpSettings, make_http_engines
 
         try:
-            settings = HttpSettings(api_key=os.environ.get("QLM_HTTP_API_KEY") or None)
-            return list(make_http_engines(servers or [], settings))
+            http_settings = HttpSettings(api_key=os.environ.get("QLM_HTTP_API_KEY") or None)
+            return list(make_http_engines(servers or [], http_settings))
         except ValueError as exc:
             raise typer.BadParameter(str(exc)) from exc
     if servers:
