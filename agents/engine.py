@@ -1,8 +1,9 @@
 """The engine backend interface: what an agent needs from an inference engine.
 
-Two implementations: ``qlm.agents.sim`` (a real-time continuous-batching emulator driven by
-:mod:`qlm.engine_model`) and ``qlm.agents.vllm`` (an in-process vLLM ``AsyncLLM``). The agent only
-talks to this interface, so everything above it is tested on the sim backend.
+Three implementations: ``qlm.agents.sim`` (a real-time continuous-batching emulator driven by
+:mod:`qlm.engine_model`), ``qlm.agents.vllm`` (an in-process vLLM ``AsyncLLM``) and
+``qlm.agents.http`` (an existing vLLM OpenAI server, by URL). The agent only talks to this
+interface, so everything above it is tested on the sim backend.
 """
 
 from __future__ import annotations

@@ -281,7 +281,7 @@ async def _use_measured_profiles(store: Any) -> None:
 
 @app.command()
 def agent(
-    backend: Annotated[str, typer.Option(help="engine backend: sim | vllm")] = "sim",
+    backend: Annotated[str, typer.Option(help="engine backend: sim | vllm | http")] = "sim",
     gpus: Annotated[int, typer.Option(help="GPUs (one instance each)")] = 1,
     gpu_type: Annotated[
         str,
@@ -327,6 +327,14 @@ def agent(
             max=65535,
         ),
     ] = None,
+    server: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="http: MODEL=URL of a running vLLM OpenAI server, e.g. "
+            "llama-8b=http://10.0.0.5:8000 (repeat: one instance per server; --models and "
+            "--gpus are then ignored; the API key, if any, from QLM_HTTP_API_KEY)"
+        ),
+    ] = None,
 ) -> None:
     """Run an agent that hosts one engine instance per GPU and serves what it is dispatched."""
     from qlm.catalog import canonical_gpu
@@ -356,11 +364,23 @@ def agent(
             "kv_cache_memory_bytes": None if kv_cache_mb is None else kv_cache_mb * 2**20,
             "kv_offload_gib": kv_offload_gib,
         },
+        servers=server or [],
     )
     gate = _admission_gate(admission, usl)
     if health_port is not None:
         s = s.model_copy(update={"agent_health_port": health_port})
-    asyncio.run(_run_agent(s, backend, engines, gpu_type, agent_id, gate, cpu_memory_gb))
+    try:
+        asyncio.run(_run_agent(s, backend, engines, gpu_type, agent_id, gate, cpu_memory_gb))
+    except Exception as exc:
+        if backend != "http":
+            raise
+        from qlm.agents.http import HttpBackendError
+
+        if not isinstance(exc, HttpBackendError):
+            raise
+        # a server that does not answer or serves another model: its one line, no traceback
+        typer.echo(f"qlm agent: {exc}", err=True)
+        raise typer.Exit(1) from None
 
 
 def _parse_model_paths(items: list[str], models: list[str], backend: str) -> dict[str, str]:
@@ -389,7 +409,18 @@ def _make_engines(
     seed: int,
     model_paths: dict[str, str],
     vllm_options: dict[str, Any],
+    servers: list[str] | None = None,
 ) -> list[Any]:
+    if backend == "http":  # the servers say which models: --models and --gpus do not apply
+        from qlm.agents.http import HttpSettings, make_http_engines
+
+        try:
+            http_settings = HttpSettings(api_key=os.environ.get("QLM_HTTP_API_KEY") or None)
+            return list(make_http_engines(servers or [], http_settings))
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc)) from exc
+    if servers:
+        raise typer.BadParameter(f"--server is for --backend http, not {backend}")
     if gpus < 1 or not models:
         raise typer.BadParameter("--gpus must be >= 1 and --models must name a model")
     if backend == "sim":
@@ -413,7 +444,7 @@ def _make_engines(
         except ValueError as exc:
             raise typer.BadParameter(str(exc)) from exc
         return [VllmEngine({m: model_paths[m] for m in models}, settings) for _ in range(gpus)]
-    raise typer.BadParameter(f"backend {backend!r}: expected sim or vllm")
+    raise typer.BadParameter(f"backend {backend!r}: expected sim, vllm or http")
 
 
 def _admission_gate(admission: str, usl: str | None) -> Any:

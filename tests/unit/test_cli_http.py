@@ -1,0 +1,96 @@
+"""`qlm agent --backend http --server MODEL=URL`: the wiring, without a server (the backend
+against a real one: tests/vllm/test_http_backend.py)."""
+
+from __future__ import annotations
+
+import socket
+from typing import Any
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from qlm import cli
+from qlm.agents.http import HttpEngine, HttpSettings, make_http_engines, parse_servers
+
+
+def _make(servers: list[str], backend: str = "http") -> list[Any]:
+    return cli._make_engines(
+        backend,
+        1,
+        "A10",
+        ["ignored"],
+        time_scale=1.0,
+        seed=0,
+        model_paths={},
+        vllm_options={},
+        servers=servers,
+    )
+
+
+def test_one_engine_per_server() -> None:
+    engines = _make(["llama=http://10.0.0.5:8000/", "mistral=https://gpu2:8001"])
+    assert all(isinstance(e, HttpEngine) for e in engines)
+    assert [(e.models, e.url) for e in engines] == [
+        (["llama"], "http://10.0.0.5:8000"),
+        (["mistral"], "https://gpu2:8001"),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("servers", "says"),
+    [
+        ([], "at least one --server"),
+        (["llama"], "MODEL=URL"),
+        (["=http://a:1"], "MODEL=URL"),
+        (["llama=10.0.0.5:8000"], "http://"),
+        (["a=http://h:1", "b=http://h:1/"], "named twice"),
+    ],
+)
+def test_bad_servers_are_refused(servers: list[str], says: str) -> None:
+    with pytest.raises(typer.BadParameter, match=says):
+        _make(servers)
+    with pytest.raises(ValueError, match=says):
+        make_http_engines(servers)
+
+
+def test_server_is_only_for_the_http_backend() -> None:
+    with pytest.raises(typer.BadParameter, match="--backend http"):
+        _make(["llama=http://h:1"], backend="sim")
+
+
+def test_parse_keeps_the_order() -> None:
+    assert parse_servers(["b=http://h:2", "a=http://h:1"]) == [
+        ("b", "http://h:2"),
+        ("a", "http://h:1"),
+    ]
+
+
+def test_settings_are_checked() -> None:
+    with pytest.raises(ValueError):
+        HttpSettings(kv_threshold=0)
+    with pytest.raises(ValueError):
+        HttpSettings(sleep_level_warm=3)
+
+
+async def test_a_dead_url_fails_start_in_one_line() -> None:
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    eng = HttpEngine("llama", f"http://127.0.0.1:{port}", HttpSettings(start_timeout_s=0.2))
+
+    async def ignore(_: Any) -> None:
+        return None
+
+    with pytest.raises(RuntimeError) as err:
+        await eng.start(ignore)
+    message = str(err.value)
+    assert f"http://127.0.0.1:{port}" in message and "does not answer" in message
+    assert "\n" not in message
+    assert eng.wants() == 0
+
+
+def test_agent_help_names_the_http_backend() -> None:
+    result = CliRunner().invoke(cli.app, ["agent", "--help"])
+    assert result.exit_code == 0
+    assert "http" in result.output and "--server" in result.output
