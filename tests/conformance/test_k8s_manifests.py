@@ -134,7 +134,7 @@ CRD_SCHEMAS: dict[tuple[str, str], dict[str, Any]] = {
 
 # Flags of the interface being written in parallel (issue 19): `qlm agent --backend http
 # --server MODEL=URL`. Remove an entry once the CLI has it.
-PENDING_FLAGS = {"agent": {"--server"}}
+PENDING_FLAGS: dict[str, set[str]] = {}  # flags the manifests use before the CLI has them
 # Read with os.environ by the CLI rather than through a settings class.
 CLI_ENV = {"QLM_ADMIN_URL", "QLM_ADMIN_CA", "QLM_MIGRATIONS_DIR"}
 CLUSTER_SCOPED = {"Namespace", "ClusterRole", "ClusterRoleBinding"}
