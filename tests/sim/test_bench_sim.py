@@ -88,7 +88,7 @@ def test_every_policy_runs_on_a_scenario_file_and_writes_table_json_and_plots(tm
     ("change", "field"),
     [
         ({"bogus": 1}, "bogus"),
-        ({"pools": [{"gpu": "B200", "count": 1, "models": ["mistral-7b"]}]}, "pools.0.gpu"),
+        ({"pools": [{"gpu": "Z9000", "count": 1, "models": ["mistral-7b"]}]}, "pools.0.gpu"),
         ({"pools": [{"gpu": "A10", "count": 1, "models": ["gpt-5"]}]}, "pools.0.models"),
         (
             {
