@@ -11,8 +11,9 @@ in the database or the broker:
   runner that takes a batch over publishes its ``published``-but-unanswered lines again: the
   coordinator runs each request id once (a copy of one in flight rides along with it; one
   answered already gets its recorded answer again, qlm/store/answers.py).
-* **Replies.** Every line's reply goes to one durable queue shared by the replicas
-  (``qlm.reply.<user>.batches``), so replies sent while every gateway was down wait there.
+* **Replies.** Every line's reply goes to one durable queue shared by the replicas on the
+  same database (``qlm.reply.<user>.batches.<database hash>``), so replies sent while every
+  gateway was down wait there.
   Any replica records a reply it receives (whatever replica holds the batch's lease) and acks
   it only after the record is committed; the record is conditional on the line still being
   open, so a reply that comes twice (a re-publish, a redelivery) changes nothing the second
@@ -71,13 +72,8 @@ class BatchClient(QlmClient):
     never lost between the queue and the database. It keeps no per-request books: the
     database is the book."""
 
-    def __init__(self, amqp_url: str, reply_queue: str | None = None) -> None:
-        user = qlm_amqp.username_of(amqp_url)
-        super().__init__(
-            amqp_url,
-            reply_queue=reply_queue or f"qlm.reply.{user}.batches",
-            app_id="qlm-gateway-batches",
-        )
+    def __init__(self, amqp_url: str, reply_queue: str) -> None:
+        super().__init__(amqp_url, reply_queue=reply_queue, app_id="qlm-gateway-batches")
         self.handler: ReplyHandler | None = None
         self._inbox: asyncio.Queue[AbstractIncomingMessage] = asyncio.Queue()
         self._worker: asyncio.Task[None] | None = None

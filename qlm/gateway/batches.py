@@ -13,6 +13,7 @@ replica on the same database serves any batch, and a restart resumes where it st
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import time
@@ -27,9 +28,11 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 from sqlalchemy import event as sa_event
+from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import create_async_engine
 from starlette.datastructures import UploadFile
 
+from qlm.amqp import username_of
 from qlm.client import Reply
 from qlm.gateway.app import (
     GatewayError,
@@ -107,7 +110,8 @@ class BatchSettings(BaseSettings):
     batch_publish_chunk: int = Field(default=500, ge=1)
     # A line refused as `overloaded` is published again this much later.
     batch_retry_s: float = Field(default=5.0, gt=0)
-    # The durable reply queue every replica shares (default qlm.reply.<broker user>.batches).
+    # The durable reply queue every replica shares (default: qlm.reply.<broker user>.batches.
+    # <hash of the database URL>, the same for every replica on the same database).
     batch_reply_queue: str | None = None
 
     def quota(self, tenant: str) -> int:
@@ -148,6 +152,15 @@ def _ts(value: float | None) -> int | None:
 
 def _compact(obj: Any) -> str:
     return json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
+
+
+def default_reply_queue(amqp_url: str, database_url: str) -> str:
+    """The replies' queue of every replica on ``database_url``: named after the database, so
+    replicas that share it share the queue (any of them records any reply), and a gateway on
+    another database never takes (and drops) replies that are not its batches'."""
+    where = make_url(database_url).set(password=None).render_as_string(hide_password=False)
+    digest = hashlib.sha256(where.encode()).hexdigest()[:12]
+    return f"qlm.reply.{username_of(amqp_url)}.batches.{digest}"
 
 
 def window_seconds(window: str, settings: BatchSettings) -> float:
@@ -204,7 +217,9 @@ class BatchApi:
         bodies: FileBodies = (
             DirectoryBodies(s.files_dir) if s.files_dir is not None else DatabaseBodies(engine)
         )
-        client = BatchClient(amqp_url, s.batch_reply_queue)
+        client = BatchClient(
+            amqp_url, s.batch_reply_queue or default_reply_queue(amqp_url, database_url)
+        )
         api = cls(BatchStore(engine, bodies), client, s)
         try:
             await client.connect()

@@ -465,3 +465,47 @@ async def test_killed_gateway_batch_completes_each_line_exactly_once(
     counted = Counter(o["custom_id"] for o in out)
     assert len(counted) == n and set(counted.values()) == {1}
     assert batch.request_counts is not None and batch.request_counts.completed == n
+
+
+@pytest.mark.broker
+@pytest.mark.slow
+async def test_chaos_gateway_coordinator_and_agent_killed_mid_batch(
+    isolated_amqp_url: str, tmp_path: Path
+) -> None:
+    """The issue's chaos run: a 2,000-line batch; the gateway, the coordinator and an agent are
+    SIGKILLed mid-batch and restarted. The batch completes; every line is in the output once."""
+    n = 2000
+    agents = [
+        {"agent_id": "c1", "models": [MODEL], "time_scale": 10.0},
+        {"agent_id": "c2", "models": [MODEL], "time_scale": 10.0},
+    ]
+    async with running_cluster(isolated_amqp_url, tmp_path / "cluster", agents) as cluster:
+        gw = GatewayProcess(isolated_amqp_url, f"sqlite+aiosqlite:///{tmp_path}/gw.db", tmp_path)
+        await gw.start()
+        try:
+            api = AsyncOpenAI(base_url=gw.url + "/v1", api_key=KEY, max_retries=3)
+            lines = [chat_line(f"x{i}", max_tokens=32) for i in range(n)]
+            created = await run_batch(api, lines)
+            await asyncio.sleep(2.0)
+            assert await _answered(api, created.id) < n, "finished before the chaos began"
+            gw.kill()  # the gateway ...
+            assert cluster.coordinator is not None
+            cluster.coordinator.send_signal(signal.SIGKILL)  # ... the coordinator ...
+            cluster.coordinator.wait(timeout=10)
+            cluster.kill_agent("c1")  # ... and an agent, at once
+            await asyncio.sleep(1.0)
+            cluster.coordinator = cluster._spawn("coordinator-2", ["coordinator"])
+            cluster.start_agent(agents[0] | {"agent_id": "c1"})
+            await gw.start()
+            batch = await wait_done(api, created.id, timeout=300)
+            out = await file_lines(api, batch.output_file_id)
+            err = await file_lines(api, batch.error_file_id)
+            await api.close()
+        except BaseException:
+            print(gw.logs())
+            raise
+        finally:
+            gw.stop()
+    assert batch.status == "completed", batch
+    counted = Counter(o["custom_id"] for o in out)
+    assert err == [] and len(counted) == n and set(counted.values()) == {1}
