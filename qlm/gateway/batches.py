@@ -39,6 +39,7 @@ from qlm.gateway.app import (
     _finish,
     _info,
     _parse,
+    _read_body,
     _usage,
     _validation_error,
     error_from_reply,
@@ -763,7 +764,7 @@ def install_batch_api(app: FastAPI, gw: _Gateway, api: BatchApi) -> None:
     @app.post("/v1/batches")
     async def create_batch(request: Request) -> Response:
         who = tenant(request)
-        raw = await request.body()
+        raw = await _read_body(request, gw.settings.max_body_bytes)
         return _json(await api.create(gw, raw, who))
 
     @app.get("/v1/batches")
