@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -38,7 +39,7 @@ from pydantic import ValidationError
 
 from qlm import amqp as qlm_amqp
 from qlm.client import QlmClient, Reply, _reply_adapter
-from qlm.store.batches import OPEN_STATES, BatchStore, LineToPublish
+from qlm.store.batches import OPEN_STATES, BatchStore, Counts, LineToPublish
 from qlm.types import CONTENT_TYPE, RequestMessage
 
 log = structlog.get_logger(__name__)
@@ -183,6 +184,8 @@ class BatchRunner:
         poll_s: float = 0.5,
         publish_chunk: int = 500,
         cancel_grace_s: float = 30.0,
+        pace: float = 0.75,
+        max_in_flight: int = 500,
         owner: str | None = None,
     ) -> None:
         self.store = store
@@ -192,6 +195,8 @@ class BatchRunner:
         self.poll_s = poll_s
         self.publish_chunk = publish_chunk
         self.cancel_grace_s = cancel_grace_s
+        self.pace = pace
+        self.max_in_flight = max_in_flight
         self._held: set[str] = set()
         # batches taken over, and the line after which their re-publish goes on
         self._republishing: dict[str, int] = {}
@@ -258,7 +263,8 @@ class BatchRunner:
                     self._republishing[batch_id] = after
                     return
                 del self._republishing[batch_id]
-            done, _ = await self._publish_lines(batch_id, False, 0, budget)
+            allowed = self._allowed(batch, await self.store.counts(batch_id), now)
+            done, _ = await self._publish_lines(batch_id, False, 0, budget, allowed)
             if done and (await self.store.counts(batch_id)).open == 0:
                 await self.store.finalize(batch_id, "completed", "completed_at", time.time())
                 log.info("batch_completed", batch_id=batch_id)
@@ -292,18 +298,45 @@ class BatchRunner:
         await self.store.finalize(batch_id, "expired", "expired_at", time.time())
         log.warning("batch_expired", batch_id=batch_id, unanswered=n)
 
+    def _allowed(self, batch: dict[str, Any], counts: Counts, now: float) -> int | None:
+        """How many more lines may go on the queue now (None: all of them).
+
+        A batch is released gradually, so that it fills spare capacity instead of arriving
+        as one wall of work in front of interactive traffic: at most ``max_in_flight`` lines
+        on the queue at once - as they are answered, more follow, as fast as the cluster
+        serves them - but never behind the *pace*, a straight line from the batch's creation
+        to all lines released at ``pace`` of its window, so that a busy cluster still gets
+        the whole batch in time to meet its deadline."""
+        if self.pace <= 0:
+            return None
+        released = counts.valid - counts.pending  # published at least once
+        by_window = self.max_in_flight - counts.published
+        spread = self.pace * batch["window_s"]
+        on_pace = math.ceil(counts.valid * min(1.0, (now - batch["created_at"]) / spread))
+        return max(0, by_window, on_pace - released)
+
     async def _publish_lines(
-        self, batch_id: str, republish: bool, after: int, budget: float
+        self,
+        batch_id: str,
+        republish: bool,
+        after: int,
+        budget: float,
+        allowed: int | None = None,
     ) -> tuple[bool, int]:
         """Publish due lines (with ``republish``, the published ones as well) after line
-        ``after``, until none is left (True) or the budget is spent (False, and where to go
-        on from)."""
+        ``after``, at most ``allowed`` of them, until none is left or allowed (True) or the
+        budget is spent (False, and where to go on from)."""
         while time.monotonic() < budget:
+            limit = self.publish_chunk if allowed is None else min(self.publish_chunk, allowed)
+            if limit <= 0:
+                return True, after
             lines = await self.store.lines_to_publish(
-                batch_id, time.time(), self.publish_chunk, republish=republish, after_line=after
+                batch_id, time.time(), limit, republish=republish, after_line=after
             )
             if not lines:
                 return True, after
+            if allowed is not None:
+                allowed -= len(lines)
             await self.store.mark_published(batch_id, lines)
             # confirms pipeline: a chunk at once, not one round trip per line
             await asyncio.gather(*(self._publish(batch_id, ln) for ln in lines))

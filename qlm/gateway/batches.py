@@ -109,6 +109,11 @@ class BatchSettings(BaseSettings):
     batch_lease_s: float = Field(default=15.0, gt=0)
     batch_poll_s: float = Field(default=0.5, gt=0)
     batch_publish_chunk: int = Field(default=500, ge=1)
+    # Release of a batch's lines (BatchRunner._allowed): at most batch_max_in_flight on the
+    # queue at once, and never behind a straight line to all released at batch_pace of the
+    # window; 0: all at once.
+    batch_pace: float = Field(default=0.75, ge=0, le=1)
+    batch_max_in_flight: int = Field(default=500, ge=1)
     # A line refused as `overloaded` is published again this much later.
     batch_retry_s: float = Field(default=5.0, gt=0)
     # The durable reply queue every replica shares (default: qlm.reply.<broker user>.batches.
@@ -159,7 +164,7 @@ def default_reply_queue(amqp_url: str, database_url: str) -> str:
     """The replies' queue of every replica on ``database_url``: named after the database, so
     replicas that share it share the queue (any of them records any reply), and a gateway on
     another database never takes (and drops) replies that are not its batches'."""
-    where = make_url(database_url).set(password=None).render_as_string(hide_password=False)
+    where = make_url(database_url).render_as_string(hide_password=True)
     digest = hashlib.sha256(where.encode()).hexdigest()[:12]
     return f"qlm.reply.{username_of(amqp_url)}.batches.{digest}"
 
@@ -196,6 +201,8 @@ class BatchApi:
             lease_s=settings.batch_lease_s,
             poll_s=settings.batch_poll_s,
             publish_chunk=settings.batch_publish_chunk,
+            pace=settings.batch_pace,
+            max_in_flight=settings.batch_max_in_flight,
         )
         self.retry_after_s = 1
         # batch id -> (endpoint kind, tenant): fixed for a batch's life

@@ -127,6 +127,9 @@ class Counts:
     completed: int
     failed: int
     open: int  # pending or published: not answered yet
+    pending: int = 0  # not published yet
+    published: int = 0  # on the queue, not answered yet
+    valid: int = 0  # lines that are requests (not refused when the batch was created)
 
 
 class BatchStore:
@@ -228,17 +231,21 @@ class BatchStore:
 
     async def counts(self, batch_id: str) -> Counts:
         query = (
-            sa.select(LINES.c.state, sa.func.count())
+            sa.select(LINES.c.state, sa.func.count(), sa.func.count(LINES.c.request))
             .where(LINES.c.batch_id == batch_id)
             .group_by(LINES.c.state)
         )
         async with self.engine.connect() as conn:
-            by_state = {s: int(n) for s, n in (await conn.execute(query)).all()}
+            rows = (await conn.execute(query)).all()
+        by_state = {s: int(n) for s, n, _ in rows}
         return Counts(
             total=sum(by_state.values()),
             completed=by_state.get("done", 0),
             failed=by_state.get("failed", 0),
             open=sum(by_state.get(s, 0) for s in OPEN_STATES),
+            pending=by_state.get("pending", 0),
+            published=by_state.get("published", 0),
+            valid=sum(int(v) for _, _, v in rows),
         )
 
     async def open_lines_of_tenant(self, tenant: str) -> int:
