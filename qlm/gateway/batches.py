@@ -13,6 +13,7 @@ replica on the same database serves any batch, and a restart resumes where it st
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import re
@@ -214,8 +215,6 @@ class BatchApi:
         cls, amqp_url: str, database_url: str, settings: BatchSettings | None = None
     ) -> BatchApi:
         """Migrate the database, connect the shared reply queue, start the runner."""
-        import asyncio
-
         s = settings or BatchSettings()
         prepare_sqlite_path(database_url)
         await asyncio.to_thread(migrate, database_url)
