@@ -352,7 +352,11 @@ class BatchApi:
         data = await self.content(file)
         created = time.time()
         batch_id = f"batch_{uuid.uuid4().hex}"
-        lines = self._lines(gw, batch_id, data, kind, body.endpoint, tenant, created, window_s)
+        # a thread: 50,000 lines take about a second to check, which the event loop (serving
+        # every other call of this gateway) must not wait for
+        lines = await asyncio.to_thread(
+            self._lines, gw, batch_id, data, kind, body.endpoint, tenant, created, window_s
+        )
         open_now = sum(1 for ln in lines if ln["state"] == "pending")
         quota = self.settings.quota(tenant)
         queued = await self.store.open_lines_of_tenant(tenant)

@@ -329,9 +329,10 @@ class BatchStore:
     async def lines_to_publish(
         self, batch_id: str, now: float, limit: int, *, republish: bool, after_line: int = 0
     ) -> list[LineToPublish]:
-        """Pending lines due now; with ``republish`` also those published already (a runner
-        that just took the batch over cannot know which of them reached the queue)."""
-        states = OPEN_STATES if republish else ("pending",)
+        """Pending lines due now; with ``republish`` instead those published already and not
+        answered (a runner that just took the batch over cannot know which of them reached
+        the queue)."""
+        states = ("published",) if republish else ("pending",)
         query = (
             sa.select(LINES.c.line_no, LINES.c.attempt, LINES.c.request)
             .where(

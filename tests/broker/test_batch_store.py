@@ -5,15 +5,19 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any, cast
 
 import pytest
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import create_async_engine
 
+from qlm.gateway.batch_runner import BatchRunner
 from qlm.store import migrate
 from qlm.store.batches import BatchStore, DirectoryBodies, FileNotFound
+from qlm.types import RequestMessage
 from tests.broker.test_migrations import fresh_postgres_database
 
 
@@ -143,3 +147,73 @@ async def test_file_bodies_in_the_database_and_in_a_directory(
     await bodies.delete("file-2")
     with pytest.raises(FileNotFound):
         await bodies.get("file-2")
+
+
+class _FakeClient:
+    """What the runner publishes and cancels, without a broker."""
+
+    def __init__(self) -> None:
+        self.published: list[str] = []
+        self.cancelled: list[str] = []
+
+    async def publish_request(self, request: Any) -> None:
+        self.published.append(request.request_id)
+
+    async def cancel(self, request_id: str, reason: str, *, tenant: str | None = None) -> None:
+        self.cancelled.append(request_id)
+
+
+def _request_json() -> str:
+    return RequestMessage(
+        request_id="batch-0-0-0", model="m", prompt="p", max_tokens=1, slo={"e2e_ms": 1000}
+    ).model_dump_json()
+
+
+async def test_runner_releases_paced_then_expires_what_is_unanswered(store: BatchStore) -> None:
+    now = time.time()
+    row, lines = _batch("batch_e", 4, now=now - 10)
+    for line in lines:
+        line["request"] = _request_json()
+    await store.create_batch(row, lines)
+    client = _FakeClient()
+    runner = BatchRunner(store, cast(Any, client), pace=0.75, max_in_flight=2)
+    await runner.tick()
+    # the in-flight window: 2 of 4 (10 s into a 1 h window, the pace asks for 1)
+    assert client.published == ["batch-e-1-0", "batch-e-2-0"]
+    assert await store.answer("batch_e", 1, 0, "done", '{"n":1}', now)
+    await runner.tick()
+    assert client.published[2:] == ["batch-e-3-0"]  # one answered: one more
+    # the window passes with lines 2 and 3 on the queue and line 4 never sent
+    await store.update_batch("batch_e", {"expires_at": now - 1})
+    await runner.tick()
+    assert sorted(client.cancelled) == ["batch-e-2-0", "batch-e-3-0"]
+    batch = await store.get_batch("batch_e")
+    assert batch is not None and batch["status"] == "expired" and batch["expired_at"]
+    errors = await store.file_content(cast(dict, await store.get_file(batch["error_file_id"])))
+    expired = [json.loads(x) for x in errors.splitlines()]
+    assert sorted(e["custom_id"] for e in expired) == ["c2", "c3", "c4"]
+    assert {e["error"]["code"] for e in expired} == {"batch_expired"}
+    # a reply that comes after the expiry changes nothing
+    assert not await store.answer("batch_e", 2, 0, "done", "{}", now)
+
+
+async def test_runner_cancels_a_batch(store: BatchStore) -> None:
+    now = time.time()
+    row, lines = _batch("batch_f", 3, now=now)
+    for line in lines:
+        line["request"] = _request_json()
+    await store.create_batch(row, lines)
+    client = _FakeClient()
+    runner = BatchRunner(store, cast(Any, client), pace=0.75, max_in_flight=1)
+    await runner.tick()
+    assert client.published == ["batch-f-1-0"]
+    await store.update_batch("batch_f", {"status": "cancelling", "cancelling_at": now})
+    await runner.tick()
+    assert client.cancelled == ["batch-f-1-0"]
+    assert (await store.get_batch("batch_f") or {})["status"] == "cancelling"  # line 1 open
+    assert await store.close_one("batch_f", 1, 0, "cancelled", now)  # its `cancelled` reply
+    await runner.tick()
+    batch = await store.get_batch("batch_f")
+    assert batch is not None and batch["status"] == "cancelled"
+    assert batch["output_file_id"] is None and batch["error_file_id"] is None
+    assert (await store.counts("batch_f")).open == 0
