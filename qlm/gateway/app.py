@@ -26,7 +26,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import structlog
 from fastapi import FastAPI, Request
@@ -68,6 +68,9 @@ from qlm.types import (
     ResultMessage,
     SamplingParams,
 )
+
+if TYPE_CHECKING:  # imports this module: loaded lazily below
+    from qlm.gateway.batches import BatchApi, BatchSettings
 
 log = structlog.get_logger(__name__)
 
@@ -809,6 +812,7 @@ def create_gateway_app(
     settings: GatewaySettings | None = None,
     served: ServedModelsWatcher | None = None,
     metrics: GatewayMetrics | None = None,
+    batches: BatchApi | None = None,
 ) -> FastAPI:
     """The gateway's ASGI app. ``client`` must be connected; its lifetime is the caller's
     (one client per process, shared by every call). ``served`` (started) gives ``/v1/models``
@@ -924,6 +928,11 @@ def create_gateway_app(
         text, content_type = m.render()
         return Response(content=text, media_type=content_type)
 
+    if batches is not None:  # the Files and Batch APIs (qlm/gateway/batches.py)
+        from qlm.gateway.batches import install_batch_api
+
+        install_batch_api(app, gw, batches)
+
     @app.exception_handler(GatewayError)
     async def _gateway_error(_: Request, exc: GatewayError) -> Response:
         return exc.response()
@@ -989,6 +998,7 @@ class GatewayServer:
     http: AdminServer
     client: GatewayClient
     served: ServedModelsWatcher | None = None
+    batches: BatchApi | None = None
 
     @property
     def url(self) -> str:
@@ -999,6 +1009,8 @@ class GatewayServer:
         await self.client.close()
         if self.served is not None:
             await self.served.close()
+        if self.batches is not None:
+            await self.batches.close()
 
 
 async def serve_gateway(
@@ -1009,16 +1021,26 @@ async def serve_gateway(
     settings: GatewaySettings | None = None,
     host: str | None = None,
     port: int | None = None,
+    batch_database_url: str | None = None,
+    batch_settings: BatchSettings | None = None,
 ) -> GatewayServer:
     """Connect the qlm client and serve the gateway in the current event loop; return once it
-    listens (port 0 picks a free one: ``GatewayServer.url``)."""
+    listens (port 0 picks a free one: ``GatewayServer.url``). ``batch_database_url``: serve
+    the Files and Batch APIs (docs/gateway.md, "Batch API") on that database."""
     s = settings or GatewaySettings()
     client = GatewayClient(amqp_url)
     await client.connect()
     served = ServedModelsWatcher(amqp_url)
+    batches: BatchApi | None = None
     try:
         await served.start()
-        api = create_gateway_app(client, keys=keys, catalog=catalog, settings=s, served=served)
+        if batch_database_url is not None:
+            from qlm.gateway.batches import BatchApi
+
+            batches = await BatchApi.open(amqp_url, batch_database_url, batch_settings)
+        api = create_gateway_app(
+            client, keys=keys, catalog=catalog, settings=s, served=served, batches=batches
+        )
         http = await serve_admin(
             api,
             host or s.host,
@@ -1029,6 +1051,8 @@ async def serve_gateway(
     except BaseException:
         await client.close()
         await served.close()
+        if batches is not None:
+            await batches.close()
         raise
     log.info("gateway_listening", host=http.host, port=http.port, api_keys=len(keys))
-    return GatewayServer(http, client, served)
+    return GatewayServer(http, client, served, batches)

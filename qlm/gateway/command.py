@@ -13,6 +13,7 @@ if TYPE_CHECKING:  # the command imports the app lazily: `qlm --help` stays fast
 
     from qlm.catalog import ModelCatalog
     from qlm.gateway.app import ApiKeys, GatewaySettings
+    from qlm.gateway.batches import BatchSettings
 
 _S = TypeVar("_S", bound="BaseSettings")
 
@@ -50,11 +51,13 @@ def register(app: typer.Typer) -> None:
         key -> tenant). See docs/gateway.md."""
         from qlm.config import Settings
         from qlm.gateway.app import ApiKeys, GatewaySettings
+        from qlm.gateway.batches import BatchSettings
         from qlm.logging import configure_logging
         from qlm.model_config import ModelConfigError, load_catalog, split_model_configs
 
         s = _load(Settings, "QLM_")
         gs = _load(GatewaySettings, "QLM_GATEWAY_")
+        bs = _load(BatchSettings, "QLM_GATEWAY_")
         configure_logging(s.log_level, s.log_format, "gateway")
         try:
             keys = ApiKeys.from_settings(gs)
@@ -68,7 +71,9 @@ def register(app: typer.Typer) -> None:
         except ModelConfigError as exc:
             typer.echo(f"qlm: {exc}", err=True)
             raise typer.Exit(2) from None
-        asyncio.run(_run(s.amqp_url, catalog, keys, gs, host, port))
+        # the Batch API's database: its own, or the coordinator's (QLM_DATABASE_URL)
+        batch_db = (bs.database_url or s.database_url) if bs.batch_api else None
+        asyncio.run(_run(s.amqp_url, catalog, keys, gs, host, port, batch_db, bs))
 
 
 async def _run(
@@ -78,11 +83,20 @@ async def _run(
     settings: GatewaySettings,
     host: str | None,
     port: int | None,
+    batch_database_url: str | None = None,
+    batch_settings: BatchSettings | None = None,
 ) -> None:
     from qlm.gateway.app import serve_gateway
 
     server = await serve_gateway(
-        amqp_url, keys=keys, catalog=catalog, settings=settings, host=host, port=port
+        amqp_url,
+        keys=keys,
+        catalog=catalog,
+        settings=settings,
+        host=host,
+        port=port,
+        batch_database_url=batch_database_url,
+        batch_settings=batch_settings,
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

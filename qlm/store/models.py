@@ -174,3 +174,95 @@ class Answer(Base):
     kind: Mapped[str] = mapped_column(sa.String(16))  # "result" | "error"
     body: Mapped[str] = mapped_column(sa.Text())  # the reply message's JSON, as published
     answered_at: Mapped[float] = mapped_column(index=True)
+
+
+# --- the OpenAI Batch API (qlm/gateway/batches.py, qlm/store/batches.py) ------------------------
+
+
+class StoredFile(Base):
+    """A file of the Files API: an upload (``purpose`` batch; its bytes in a body store,
+    qlm/store/batches.py) or a batch's output or error file (``batch_id`` set; its lines are the
+    batch's answered lines, rendered from ``batch_lines`` when read)."""
+
+    __tablename__ = "files"
+    __table_args__ = (sa.Index("ix_files_tenant_created", "tenant", "created_at"),)
+
+    file_id: Mapped[str] = mapped_column(sa.String(64), primary_key=True)
+    tenant: Mapped[str] = mapped_column(sa.String(128))  # "" is the default tenant
+    purpose: Mapped[str] = mapped_column(sa.String(32))
+    filename: Mapped[str] = mapped_column(sa.String(256))
+    bytes: Mapped[int] = mapped_column(sa.BigInteger())
+    lines: Mapped[int]
+    created_at: Mapped[float]
+    # "upload" | "output" | "error": where the content comes from
+    kind: Mapped[str] = mapped_column(sa.String(16))
+    batch_id: Mapped[str | None] = mapped_column(sa.String(64))
+
+
+class FileBody(Base):
+    """An uploaded file's bytes, for the database body store (the default one)."""
+
+    __tablename__ = "file_bodies"
+
+    file_id: Mapped[str] = mapped_column(sa.String(64), primary_key=True)
+    body: Mapped[bytes] = mapped_column(sa.LargeBinary())
+
+
+class Batch(Base):
+    """One batch of the Batch API: OpenAI's batch object, plus the lease of the gateway
+    replica whose runner publishes its lines (one at a time per batch, across replicas)."""
+
+    __tablename__ = "batches"
+    __table_args__ = (
+        sa.Index("ix_batches_tenant_created", "tenant", "created_at"),
+        sa.Index("ix_batches_status", "status"),
+    )
+
+    batch_id: Mapped[str] = mapped_column(sa.String(64), primary_key=True)
+    tenant: Mapped[str] = mapped_column(sa.String(128))
+    input_file_id: Mapped[str] = mapped_column(sa.String(64))
+    endpoint: Mapped[str] = mapped_column(sa.String(64))
+    completion_window: Mapped[str] = mapped_column(sa.String(16))
+    window_s: Mapped[float]
+    meta: Mapped[dict[str, Any] | None]
+    status: Mapped[str] = mapped_column(sa.String(16))
+    errors: Mapped[dict[str, Any] | None]
+    output_file_id: Mapped[str | None] = mapped_column(sa.String(64))
+    error_file_id: Mapped[str | None] = mapped_column(sa.String(64))
+    total: Mapped[int]
+    created_at: Mapped[float]
+    expires_at: Mapped[float]
+    in_progress_at: Mapped[float | None]
+    finalizing_at: Mapped[float | None]
+    completed_at: Mapped[float | None]
+    failed_at: Mapped[float | None]
+    expired_at: Mapped[float | None]
+    cancelling_at: Mapped[float | None]
+    cancelled_at: Mapped[float | None]
+    lease_owner: Mapped[str | None] = mapped_column(sa.String(128))
+    lease_until: Mapped[float | None]
+
+
+class BatchLine(Base):
+    """One line of a batch's input file and what became of it: ``pending`` (to publish),
+    ``published`` (on the queue as ``request_id``), then exactly one of ``done`` (its output
+    line in ``output``, for the output file), ``failed`` (its line for the error file) or
+    ``cancelled`` (never answered: the batch was cancelled first). The primary key and the
+    unique ``custom_id`` make each line answered at most once whatever replies come."""
+
+    __tablename__ = "batch_lines"
+    __table_args__ = (
+        sa.UniqueConstraint("batch_id", "custom_id", name="uq_batch_lines_custom_id"),
+        sa.Index("ix_batch_lines_state", "batch_id", "state"),
+    )
+
+    batch_id: Mapped[str] = mapped_column(sa.String(64), primary_key=True)
+    line_no: Mapped[int] = mapped_column(primary_key=True)
+    custom_id: Mapped[str | None] = mapped_column(sa.String(512))
+    state: Mapped[str] = mapped_column(sa.String(16))
+    # a retry after `overloaded` is a new request id (the first id's answer is recorded)
+    attempt: Mapped[int] = mapped_column(server_default=sa.text("0"))
+    not_before: Mapped[float | None]
+    request: Mapped[str | None] = mapped_column(sa.Text())  # the RequestMessage JSON
+    output: Mapped[str | None] = mapped_column(sa.Text())  # the output or error file line
+    done_at: Mapped[float | None]
