@@ -86,6 +86,7 @@ class Agent:
         dispatched request goes to the engine at once; the engine's own limits apply)."""
         self.amqp_url = amqp_url
         self.agent_id = agent_id or f"agent-{uuid.uuid4().hex[:8]}"
+        self.incarnation = uuid.uuid4().hex  # this process (see Heartbeat.incarnation)
         self.heartbeat_interval_s = heartbeat_interval_s
         self.pull_interval_s = pull_interval_s
         self.instances: dict[str, HostedInstance] = {}
@@ -500,7 +501,12 @@ class Agent:
                     warm_models=s.warm_models,
                 )
             )
-        hb = Heartbeat(agent_id=self.agent_id, sent_at=time.time(), instances=statuses)
+        hb = Heartbeat(
+            agent_id=self.agent_id,
+            sent_at=time.time(),
+            instances=statuses,
+            incarnation=self.incarnation,
+        )
         await self._publish(hb.model_dump_json(), live=True)
 
 

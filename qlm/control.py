@@ -74,6 +74,10 @@ class Heartbeat(_Msg):
     agent_id: str
     sent_at: float
     instances: list[InstanceStatus]
+    # a fresh id per agent process: a restarted agent (same agent and instance ids) counts its
+    # dispatches from 0 again, which the coordinator cannot tell from dispatches in transit
+    # without it (a heartbeat of the dead process may register the instance first)
+    incarnation: str | None = Field(default=None, max_length=64)
 
 
 class Pull(_Msg):

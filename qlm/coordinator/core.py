@@ -119,6 +119,7 @@ class InstanceState:
     running: dict[str, str] = field(default_factory=dict)  # request_id -> dispatch_id
     last_status: InstanceStatus | None = None
     model_states_sent: dict[str, str] = field(default_factory=dict)  # the last ModelPlan
+    incarnation: str | None = None  # the agent process of the last heartbeat
     # the last view and what it was built from: every arrival is placed over every instance's
     # view, so it is rebuilt only when one of these changed (a million-request simulation
     # spends most of its coordinator time here otherwise)
@@ -632,7 +633,14 @@ class CoordinatorCore:
                 new.append(iid)
                 log.info("instance_registered", instance_id=iid, agent_id=hb.agent_id)
             elif inst.status == "alive":
+                if hb.incarnation is not None and inst.incarnation not in (None, hb.incarnation):
+                    # the agent process restarted: its dispatch count starts from 0 again,
+                    # and nothing this coordinator sent the old process is in transit
+                    log.info("agent_restarted", instance_id=iid, agent_id=hb.agent_id)
+                    inst.dispatches_sent = status.dispatches_received or 0
                 self._reconcile_credit(inst, status)
+            if hb.incarnation is not None:
+                inst.incarnation = hb.incarnation
             inst.info = status.info
             inst.last_seen = now
             inst.last_status = status

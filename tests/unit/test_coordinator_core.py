@@ -171,6 +171,27 @@ def test_credit_lost_with_a_broker_node_is_restored_from_the_next_heartbeat() ->
     assert len(core.next_dispatches(0.5)) == 4
 
 
+def test_a_restarted_agent_is_recognised_by_its_incarnation() -> None:
+    """A heartbeat of the dead agent process registers the instance (245 dispatches received);
+    the restarted process, same agent and instance ids, counts from 0. Without the
+    incarnation that reads as 245 dispatches in transit: no credit held, a stall."""
+    core = core_with({})
+    old = _hb(0, 245)
+    old.incarnation = "dead"
+    core.on_heartbeat(old, now=0.0)
+    for _ in range(10):
+        admit(core)
+    new = _hb(8, 0)
+    new.incarnation = "restarted"
+    core.on_heartbeat(new, now=0.5)
+    assert len(core.next_dispatches(0.5)) == 8
+    # the same process again: counts keep their meaning (4 sent, none received yet)
+    again = _hb(8, 0)
+    again.incarnation = "restarted"
+    core.on_heartbeat(again, now=1.0)
+    assert core.instances["a-gpu0"].credit == 0
+
+
 def test_dispatches_in_transit_are_not_counted_as_credit_again() -> None:
     core = core_with({})
     core.on_heartbeat(_hb(0, 0), now=0.0)
