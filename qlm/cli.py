@@ -1098,6 +1098,7 @@ def bench_ingest(
         "qlm,edf"
     ),
     json_out: Annotated[Path | None, typer.Option("--json")] = None,
+    progress: Annotated[bool, typer.Option(help="phases finished, on a terminal")] = True,
 ) -> None:
     """Coordinator ingest rate (requests/s) and added dispatch latency (delivery→engine start)."""
     from qlm.tooling.bench import run_ingest_bench
@@ -1111,6 +1112,7 @@ def bench_ingest(
             latency_requests=latency_requests,
             shards=shards,
             policies=policies.split(","),
+            progress=progress,
         )
     )
     typer.echo(json.dumps(result, indent=2))
@@ -1143,6 +1145,7 @@ def bench_gateway(
         typer.Option(help="sim agent speed-up of the private stack (default 20; --stream: 1)"),
     ] = None,
     json_out: Annotated[Path | None, typer.Option("--json")] = None,
+    progress: Annotated[bool, typer.Option(help="requests done, on a terminal")] = True,
 ) -> None:
     """Latency the OpenAI gateway adds over publishing with qlm.client (target: <= 5 ms p50),
     or with --stream what token streaming adds to TTFT and inter-token gaps."""
@@ -1161,6 +1164,7 @@ def bench_gateway(
                 time_scale=time_scale if time_scale is not None else (1.0 if stream else 20.0),
                 stream=stream,
                 concurrency=concurrency,
+                progress=progress,
             )
         )
     except ValueError as e:
@@ -1475,6 +1479,7 @@ def chaos(
         Path | None, typer.Option(help="logs and private brokers (default .qlm/chaos)")
     ] = None,
     list_: Annotated[bool, typer.Option("--list", help="list the scenarios")] = False,
+    progress: Annotated[bool, typer.Option(help="scenarios finished, on a terminal")] = True,
 ) -> None:
     """Inject faults into real processes (agents killed, hung, slowed or cut off; the
     coordinator killed; the broker restarted; a 3-node cluster's quorum leader killed) and
@@ -1509,7 +1514,7 @@ def chaos(
         time_scale=time_scale,
     )
     amqp_url = os.environ.get("QLM_AMQP_URL")
-    results = asyncio.run(run_chaos(chosen, settings, amqp_url))
+    results = asyncio.run(run_chaos(chosen, settings, amqp_url, progress=progress))
     typer.echo(format_table(results))
     if json_out is not None:
         write_json(json_out, results, settings)

@@ -134,17 +134,29 @@ async def latency_phase(
 
 
 async def run_ingest_bench(
-    *, requests: int, rate: float, latency_requests: int, shards: int, policies: list[str]
+    *,
+    requests: int,
+    rate: float,
+    latency_requests: int,
+    shards: int,
+    policies: list[str],
+    progress: bool = False,
 ) -> dict[str, Any]:
+    """``progress``: a bar of the phases finished (two per policy) on stderr, on a terminal."""
     from qlm.tooling.localbroker import ensure_broker, isolated_vhost
+    from qlm.tooling.progress import counting
 
     base = ensure_broker()
     out: dict[str, Any] = {}
-    for policy in policies:
-        # Each phase on a fresh vhost: nothing left over from earlier runs, nothing left behind.
-        with isolated_vhost(base, prefix="qlm-bench") as url:
-            ingest = await ingest_phase(url, requests, shards, policy)
-        with isolated_vhost(base, prefix="qlm-bench") as url:
-            latency = await latency_phase(url, latency_requests, rate, shards, policy)
-        out[policy] = {"ingest": ingest, "dispatch": latency}
+    done = 0
+    async with counting("phases", 2 * len(policies), lambda: done, enabled=progress):
+        for policy in policies:
+            # Each phase on a fresh vhost: nothing left over from earlier runs or left behind.
+            with isolated_vhost(base, prefix="qlm-bench") as url:
+                ingest = await ingest_phase(url, requests, shards, policy)
+            done += 1
+            with isolated_vhost(base, prefix="qlm-bench") as url:
+                latency = await latency_phase(url, latency_requests, rate, shards, policy)
+            done += 1
+            out[policy] = {"ingest": ingest, "dispatch": latency}
     return out

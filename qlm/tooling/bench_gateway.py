@@ -57,13 +57,21 @@ def _summary(ms: list[float]) -> dict[str, float]:
 
 
 async def _measure(
-    amqp_url: str, *, requests: int, warmup: int, model: str, max_tokens: int, timeout_s: float
+    amqp_url: str,
+    *,
+    requests: int,
+    warmup: int,
+    model: str,
+    max_tokens: int,
+    timeout_s: float,
+    progress: bool = False,
 ) -> dict[str, Any]:
     import httpx
 
     from qlm.catalog import ModelCatalog
     from qlm.client import QlmClient
     from qlm.gateway.app import ApiKeys, GatewaySettings, serve_gateway
+    from qlm.tooling.progress import counting
 
     gateway = await serve_gateway(
         amqp_url,
@@ -76,6 +84,7 @@ async def _measure(
     direct_ms: list[float] = []
     gateway_ms: list[float] = []
     errors = 0
+    done = 0
     body = {
         "model": model,
         "prompt": _PROMPT,
@@ -91,6 +100,7 @@ async def _measure(
                 headers={"Authorization": f"Bearer {_BENCH_KEY}"},
                 timeout=timeout_s,
             ) as http,
+            counting("request pairs", warmup + requests, lambda: done, enabled=progress),
         ):
             for i in range(warmup + requests):
                 req = RequestMessage(
@@ -117,6 +127,7 @@ async def _measure(
                         errors += 1
                     elif i >= warmup:
                         (direct_ms if path == "direct" else gateway_ms).append(ms)
+                done = i + 1
     finally:
         await gateway.stop()
     paired = [g - d for g, d in zip(gateway_ms, direct_ms, strict=False)]
@@ -246,9 +257,12 @@ async def _measure_stream(
     model: str,
     max_tokens: int,
     timeout_s: float,
+    progress: bool = False,
 ) -> dict[str, Any]:
     import asyncio
     import json
+
+    from qlm.tooling.progress import counting
 
     # The gateway runs as its own process (as `qlm gateway` does): 50 streams of SSE events
     # are as much work for an HTTP client as for the gateway, and one event loop doing both
@@ -313,7 +327,10 @@ async def _measure_stream(
                 engine_tbt_ms.append(info["tbt_ms"])
 
     try:
-        await asyncio.wait_for(asyncio.gather(*(one() for _ in range(requests))), timeout_s * 2)
+        async with counting(
+            "streams", requests, lambda: len(client_ttft_ms) + errors, enabled=progress
+        ):
+            await asyncio.wait_for(asyncio.gather(*(one() for _ in range(requests))), timeout_s * 2)
     finally:
         gateway.terminate()
         try:
@@ -355,6 +372,7 @@ async def run_gateway_bench(
     timeout_s: float = 60.0,
     stream: bool = False,
     concurrency: int = 50,
+    progress: bool = False,
 ) -> dict[str, Any]:
     """p50/p95 latency of ``requests`` calls through the gateway and as many direct
     ``QlmClient`` requests, and the difference (``added_ms``), in milliseconds.
@@ -362,6 +380,7 @@ async def run_gateway_bench(
     ``amqp_url``: a running stack (a coordinator and agents serving ``model``) to measure
     against. None: a private one on a fresh vhost of the local broker (``QLM_AMQP_URL`` or the
     private node): a coordinator and one sim H100 agent at ``time_scale``, stopped afterwards.
+    ``progress``: a bar of the requests done on stderr, on a terminal only.
     """
     if requests < 1 or warmup < 0 or concurrency < 1:
         raise ValueError("requests and concurrency must be ≥ 1 and warmup ≥ 0")
@@ -375,6 +394,7 @@ async def run_gateway_bench(
                 model=model,
                 max_tokens=max_tokens,
                 timeout_s=timeout_s,
+                progress=progress,
             )
         return await _measure(
             url,
@@ -383,6 +403,7 @@ async def run_gateway_bench(
             model=model,
             max_tokens=max_tokens,
             timeout_s=timeout_s,
+            progress=progress,
         )
 
     if amqp_url is not None:

@@ -59,9 +59,27 @@ async def _shared_broker(amqp_url: str | None) -> AsyncIterator[str]:
 
 
 async def run_chaos(
-    scenarios: Sequence[Scenario], settings: ChaosSettings, amqp_url: str | None = None
+    scenarios: Sequence[Scenario],
+    settings: ChaosSettings,
+    amqp_url: str | None = None,
+    *,
+    progress: bool = False,
 ) -> list[ScenarioResult]:
+    """``progress``: a bar of the scenarios finished on stderr, on a terminal only."""
+    from qlm.tooling.progress import counting
+
     results: list[ScenarioResult] = []
+    async with counting("scenarios", len(scenarios), lambda: len(results), enabled=progress):
+        await _run_scenarios(scenarios, settings, amqp_url, results)
+    return results
+
+
+async def _run_scenarios(
+    scenarios: Sequence[Scenario],
+    settings: ChaosSettings,
+    amqp_url: str | None,
+    results: list[ScenarioResult],
+) -> None:
     for scenario in scenarios:
         log.info("chaos_scenario_started", scenario=scenario.name)
         t0 = time.monotonic()
@@ -85,7 +103,6 @@ async def run_chaos(
             )
         log.info("chaos_scenario_finished", **result.as_dict())
         results.append(result)
-    return results
 
 
 def results_json(results: Sequence[ScenarioResult], settings: ChaosSettings) -> dict[str, Any]:
