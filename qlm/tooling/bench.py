@@ -21,6 +21,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from qlm.types import SLO, RequestMessage
 
 
@@ -35,8 +37,7 @@ def _request(i: int, prefix: str) -> RequestMessage:
 
 
 def _pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
+    return float(np.percentile(xs, q * 100)) if xs else float("nan")
 
 
 async def _publish_backlog(amqp_url: str, n: int, shards: int) -> float:

@@ -29,6 +29,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+import numpy as np
 import structlog
 
 from qlm.types import SLO, RequestMessage, ResultMessage, SamplingParams
@@ -44,8 +45,7 @@ _PROMPT = list(range(1, 33))  # 32 prompt tokens
 
 
 def _pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
+    return float(np.percentile(xs, q * 100)) if xs else float("nan")
 
 
 def _summary(ms: list[float]) -> dict[str, float]:

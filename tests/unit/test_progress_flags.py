@@ -101,3 +101,16 @@ def test_bench_ingest_prints_only_json_when_not_a_tty(
         p: {"ingest": {"requests": 5, "policy": p}, "dispatch": {"requests": 3, "rate_rps": 7.0}}
         for p in ("qlm", "edf")
     }
+
+
+def test_bench_percentiles_are_numpys() -> None:
+    import math
+
+    from qlm.tooling import bench, bench_gateway
+
+    xs = [5.0, 1.0, 4.0, 2.0, 3.0]
+    for pct in (bench._pct, bench_gateway._pct):
+        assert pct(xs, 0.5) == 3.0
+        assert pct(xs, 0.99) == pytest.approx(4.96)
+        assert math.isnan(pct([], 0.5))
+    assert bench_gateway._summary(xs) == {"p50": 3.0, "p95": 4.8, "mean": 3.0}

@@ -46,6 +46,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
+import numpy as np
 import structlog
 
 from qlm.admission import GATE_WINDOW, PullAdmission, SLOAdmissionGate, required_speed
@@ -215,11 +216,11 @@ def _since(t: float | None, start: float) -> float | None:
     return None if t is None else t - start
 
 
-def _quantile(sorted_values: Sequence[float], q: float) -> float | None:
-    if not sorted_values:
+def _quantile(values: Sequence[float], q: float) -> float | None:
+    """The nearest-rank q-quantile (an observed value: numpy's ``inverted_cdf``)."""
+    if not values:
         return None
-    k = min(len(sorted_values) - 1, max(0, math.ceil(q * len(sorted_values)) - 1))
-    return float(sorted_values[k])
+    return float(np.quantile(values, q, method="inverted_cdf"))
 
 
 _ARRIVAL, _STEP, _TICK, _ADOPT, _READY, _CONTROL, _ISSUE, _HEARTBEAT = range(8)
