@@ -742,19 +742,35 @@ def profile_list(
     if not runs:
         typer.echo("no stored hardware profiles")
         return
-    typer.echo(
-        f"{'id':>5}  {'created (UTC)':19}  {'gpu_type':12} {'model':20} {'engine':6} "
-        f"{'decode ms':>9} {'USL lam':>9} {'R^2':>6}"
-    )
+    from rich import box
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False)
+    table.add_column("id", justify="right")
+    for name in ("created (UTC)", "gpu_type", "model", "engine"):
+        table.add_column(name, no_wrap=True)
+    for name in ("decode ms", "USL lam", "R^2"):
+        table.add_column(name, justify="right")
     for r in runs:
         body = r["body"]
         step = body.get("measurements", {}).get("decode_step_s")
         usl = body.get("usl", {})
         created = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(r["created_at"]))
-        typer.echo(
-            f"{r['id']:>5}  {created:19}  {r['gpu_type']:12} {r['model']:20} {r['engine']:6} "
-            f"{_fmt(step, 1e3):>9} {_fmt(usl.get('lam')):>9} {_fmt(usl.get('r_squared')):>6}"
+        table.add_row(
+            str(r["id"]),
+            created,
+            r["gpu_type"],
+            r["model"],
+            r["engine"],
+            _fmt(step, 1e3),
+            _fmt(usl.get("lam")),
+            _fmt(usl.get("r_squared")),
         )
+    console = Console()
+    if not console.is_terminal:  # piped: whole rows, however long, never cut to 80 columns
+        console.width = 10_000
+    console.print(table)
 
 
 def _fmt(value: Any, scale: float = 1.0) -> str:
