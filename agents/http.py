@@ -52,7 +52,10 @@ from qlm.agents.engine import (
     OutputCallback,
     TokenDelta,
 )
-from qlm.engine_scheduler import WANTS_AT_MOST  # the one admission constant of every backend
+from qlm.engine_scheduler import (  # the admission constants every backend shares
+    KV_SATURATED_FRACTION,
+    WANTS_AT_MOST,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -71,7 +74,7 @@ class HttpBackendError(RuntimeError):
 class HttpSettings:
     """How qlm talks to one server. ``None`` means: ask the server."""
 
-    kv_threshold: float = 0.9  # wants() returns 0 at this KV use
+    kv_threshold: float = KV_SATURATED_FRACTION  # wants() returns 0 at this KV use
     metrics_interval_s: float = 0.5  # /metrics poll period
     start_timeout_s: float = 10.0  # start() waits this long for the server to answer
     request_timeout_s: float = 30.0  # connect / non-streaming calls; a stream has no read limit

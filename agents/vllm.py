@@ -47,7 +47,10 @@ from qlm.agents.engine import (
     OutputCallback,
     TokenDelta,
 )
-from qlm.engine_scheduler import WANTS_AT_MOST  # the one admission constant of every backend
+from qlm.engine_scheduler import (  # the admission constants every backend shares
+    KV_SATURATED_FRACTION,
+    WANTS_AT_MOST,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -87,7 +90,7 @@ class VllmSettings:
     block_size: int | None = None  # CPU needs a multiple of 32; small blocks help resume
     kv_cache_memory_bytes: int | None = None  # per engine; else gpu_memory_utilization
     gpu_memory_utilization: float = 0.85  # CUDA, per engine (engines start while others sleep)
-    kv_threshold: float = 0.9  # wants() returns 0 at this KV use
+    kv_threshold: float = KV_SATURATED_FRACTION  # wants() returns 0 at this KV use
     kv_offload_gib: float | None = None  # CUDA: CPU KV pool per engine (swap LSO)
     sleep_level_warm: int = 1
     enforce_eager: bool = False
