@@ -32,6 +32,7 @@ from qlm.agents.engine import (
 from qlm.agents.token_streams import TokenStreams
 from qlm.amqp import connect
 from qlm.control import (
+    BatchCap,
     Completion,
     Dispatch,
     Evict,
@@ -65,6 +66,12 @@ class HostedInstance:
     admission: PullAdmission[EngineRequest]
     dispatches: dict[str, Dispatch] = field(default_factory=dict)  # request_id -> dispatch
     model_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    def in_engine(self) -> int:
+        """Requests handed to the engine and not yet reported (running or waiting there): what
+        a batch cap counts. Dispatches the gate holds back are not in it yet."""
+        held = len(self.admission.held) + len(self.admission.best_effort)
+        return max(0, len(self.dispatches) - held)
 
 
 class Agent:
@@ -296,6 +303,12 @@ class Agent:
                 task = asyncio.create_task(self._apply_model_plan(inst, order))
                 self._side_tasks.add(task)
                 task.add_done_callback(self._side_tasks.discard)
+            elif isinstance(order, BatchCap):
+                # fewer requests in the engine from now on (none is stopped); the heartbeat
+                # reports the cap, so the planner prices the instance at it
+                inst.admission.cap = order.max_in_engine
+                self.log.info("batch_cap", instance_id=order.instance_id, cap=order.max_in_engine)
+                self._wake.set()
 
     def _start_dispatch(self, inst: HostedInstance, d: Dispatch) -> None:
         req = d.request
@@ -459,7 +472,7 @@ class Agent:
             self._wake.clear()
             for inst in self.instances.values():
                 self._admit(inst)
-                want = inst.admission.credit_wanted(inst.engine.wants())
+                want = inst.admission.credit_wanted(inst.engine.wants(), inst.in_engine())
                 if want > 0:
                     inst.admission.granted(want)
                     try:
@@ -499,6 +512,7 @@ class Agent:
                     credit_outstanding=inst.admission.owed,
                     dispatches_received=inst.admission.received,
                     warm_models=s.warm_models,
+                    max_in_engine=inst.admission.cap,
                 )
             )
         hb = Heartbeat(

@@ -43,6 +43,7 @@ def create_policy(
     *,
     budget_clock: BudgetClock = "wall",
     objective: str | None = None,
+    cap_throughput_min: float | None = None,
     **overrides: Any,
 ) -> QueuePolicy:
     """The policy called ``name`` (case-insensitive; ``ValueError`` names the known ones).
@@ -52,6 +53,8 @@ def create_policy(
       on any machine; the simulator). Policies without time budgets ignore it;
     * ``objective`` - the planner's objective (``QLM_PLANNER_OBJECTIVE`` live): ``None`` keeps
       its default; policies without one ignore it;
+    * ``cap_throughput_min`` - the share of full-batch throughput the planner's batch caps
+      keep (``QLM_PLANNER_CAP_THROUGHPUT_MIN`` live); ``None`` keeps its default;
     * ``overrides`` - constructor arguments (a scenario file's policy variants); the planner's
       ``grouping`` may be given as a mapping. They win over the two above.
     """
@@ -63,6 +66,8 @@ def create_policy(
     kwargs: dict[str, Any] = {"budget_clock": budget_clock}
     if objective is not None:
         kwargs["objective"] = objective
+    if cap_throughput_min is not None:
+        kwargs["cap_throughput_min"] = cap_throughput_min
     kwargs.update(overrides)
     if isinstance(kwargs.get("grouping"), Mapping):  # from YAML/JSON
         kwargs["grouping"] = GroupingConfig(**kwargs["grouping"])

@@ -84,6 +84,13 @@ FLOW_MIN = 32.0  # completions of a model before its served mix replaces the que
 DISPATCH_MEMORY = 1024  # requests per instance remembered after they left its queue
 LOAD_WINDOW_S = 60.0  # the sure work's arrival rate is averaged over about this long
 CREDIT_MAX_S = 30.0  # long-shot credit is capped at this many seconds of each instance
+# batch caps tried, as shares of the batch a full instance runs (largest first), and the
+# smallest cap ever set: below it the weights' pass dominates an iteration and a smaller
+# batch no longer decodes much faster
+CAP_SHARES = (0.75, 0.5, 0.375, 0.25, 0.1875, 0.125)
+CAP_MIN = 16
+CAP_HOLD_S = 60.0  # a cap stays while latency-bound work was seen this recently
+CAP_TTFT_S = 10.0  # a TTFT SLO this short: the work cannot wait long for a slot
 
 
 @dataclass(frozen=True)
@@ -148,6 +155,16 @@ class QLMConfig:
     # among the sure arrivals of the last LOAD_WINDOW_S, per instance: work with minutes of
     # slack (a batch class) lends minutes, work with seconds lends seconds. 0: spare only
     long_shot_borrow: float = 0.5
+    # Batch caps (the LSO InstanceLSO.max_in_engine): where an instance's queue holds work
+    # whose decode at the full batch takes much of its SLO, the smallest batch at which the
+    # sure work still keeps up (its arrival rate and the backlog's deadlines), so that the
+    # latency-bound requests decode faster. False: never cap
+    batch_cap: bool = True
+    # the sure work's load on an instance at the capped batch, at most (1: all of it)
+    cap_load_max: float = 1.0
+    # a cap costs throughput: at least this share of the full batch's is kept. Lower it to
+    # trade throughput for latency-bound requests met (docs/planner.md, "Batch caps")
+    cap_throughput_min: float = 0.9
 
     def __post_init__(self) -> None:
         if not 0.5 <= self.slo_quantile < 1:
@@ -166,6 +183,8 @@ class QLMConfig:
             raise ValueError("objective must be 'attainment' or 'service-gain'")
         if not 0 < self.kv_fill <= 1:
             raise ValueError("kv_fill must be in (0, 1]")
+        if not 0 < self.cap_throughput_min <= 1 or self.cap_load_max <= 0:
+            raise ValueError("cap_throughput_min must be in (0, 1] and cap_load_max > 0")
 
 
 @dataclass
@@ -408,6 +427,8 @@ class QLMPolicy(QueuePolicy):
         # (arrival time, SLO s) of sure arrivals, SLOs increasing: the window's minimum first
         self._sure_slos: deque[tuple[float, float]] = deque()
         self._shots: set[str] = set()  # long shots admitted, still queued
+        self._bound_at: dict[str, float] = {}  # model -> when a plan last saw latency-bound work
+        self._ttft_at = -math.inf  # when a plan last saw work with a TTFT SLO of seconds
 
     # ------------------------------------------------------------------ interface
     def sort_key(self, request: PlanRequest) -> tuple[Any, ...]:
@@ -663,13 +684,23 @@ class QLMPolicy(QueuePolicy):
         if rate is not None:
             return rate
         joins = inst.running + 1 if inst.active_model == model else 1
+        if inst.max_in_engine is not None:
+            joins = min(joins, inst.max_in_engine)
         warm = inst.warm_models is None or model in inst.warm_models
-        key = (inst.gpu_type, model, inst.kv_capacity_tokens, inst.max_batch_size, joins, warm)
+        key = (
+            inst.gpu_type,
+            model,
+            inst.kv_capacity_tokens,
+            inst.max_batch_size,
+            inst.max_in_engine,
+            joins,
+            warm,
+        )
         rate = self._default_rates.get(key)
         if rate is None:  # an instance shape seen before costs a dict lookup (no replan
             # may run for hours when queues stay short)
             ctx, ratio = self._ctx.get(model, (1024.0, 0.0))
-            p = self._hw(inst, model, ctx, ratio)
+            p = self._hw(inst, model, ctx, ratio, batch=inst.max_in_engine)
             lat = self._hw(inst, model, ctx, ratio, batch=joins)
             if len(self._default_rates) >= 4096:
                 self._default_rates.clear()
@@ -806,7 +837,12 @@ class QLMPolicy(QueuePolicy):
             meta["scale_up"]["unattainable_requests"] += int(hopeless.sum())
         else:
             meta["scale_up"] = {"needed": not feasible}
-        lso = self._lso(final, priced, hw, tab, live, models, evict_wait)
+        caps = (
+            self._batch_caps(final, keys, priced, tab, live, models, now)
+            if self.config.batch_cap
+            else {}
+        )
+        lso = self._lso(final, priced, hw, tab, live, models, evict_wait, caps)
         for g, ids in enumerate(final):
             iid = live[g].instance_id
             queues_out[iid] = [reqs[i].request_id for i in ids]
@@ -916,9 +952,11 @@ class QLMPolicy(QueuePolicy):
             self._ctx[model] = (ctx, ratio)
             for g, inst in enumerate(live):
                 if serve[m, g]:
-                    out[(g, m)] = self._hw(inst, model, ctx, ratio)
+                    cap = inst.max_in_engine  # the batch cap its agent applies
+                    out[(g, m)] = self._hw(inst, model, ctx, ratio, batch=cap)
                     running = inst.running if inst.active_model == model else 0
-                    lat[(g, m)] = self._hw(inst, model, ctx, ratio, batch=running + share)
+                    joins = running + share if cap is None else min(running + share, cap)
+                    lat[(g, m)] = self._hw(inst, model, ctx, ratio, batch=joins)
         return out, lat
 
     @staticmethod
@@ -1336,7 +1374,15 @@ class QLMPolicy(QueuePolicy):
 
     # ------------------------------------------------------------------ LSO
     def _lso(
-        self, queues, priced: _Priced, hw, tab: _Tables, live, models, evict_wait: np.ndarray
+        self,
+        queues,
+        priced: _Priced,
+        hw,
+        tab: _Tables,
+        live,
+        models,
+        evict_wait: np.ndarray,
+        caps: Mapping[int, int],
     ) -> dict[str, InstanceLSO]:
         out: dict[str, InstanceLSO] = {}
         for g, inst in enumerate(live):
@@ -1366,6 +1412,7 @@ class QLMPolicy(QueuePolicy):
                 model_switch=head is not None and inst.active_model not in (None, head),
                 warm_models=tuple(warm),
                 cold_models=tuple(cold),
+                max_in_engine=caps.get(g),
             )
             if len(q) and head in models:
                 hm = models.index(head)
@@ -1391,6 +1438,124 @@ class QLMPolicy(QueuePolicy):
                 )
             out[inst.instance_id] = decision
         return out
+
+    def _batch_caps(
+        self,
+        queues: list[list[int]],
+        keys: Mapping[str, tuple[Any, ...]],
+        priced: _Priced,
+        tab: _Tables,
+        live: list[PlanInstance],
+        models: list[str],
+        now: float,
+    ) -> dict[int, int]:
+        """Per instance, the batch cap for the next plan period (instance index -> cap; none:
+        no cap).
+
+        In continuous batching every running request decodes one token per iteration, and an
+        iteration takes longer the more requests run (their prefills share it): a request
+        whose SLO is short next to its decode at the full batch meets it only in a smaller
+        one. A smaller batch also serves fewer tokens per second. So while the queues hold
+        *latency-bound* work of a model (its decode at the full batch, at the mean length,
+        takes over half its SLO, and it can still meet in the smallest batch; seen in a plan
+        within the last CAP_HOLD_S, so that the cap does not flap with the queue), each
+        instance running only that model gets the smallest cap (of CAP_SHARES of its full
+        batch, at least CAP_MIN) that keeps
+
+        * its throughput at least ``cap_throughput_min`` of the full batch's (occupancy of a
+          typical request of the served mix),
+        * the sure work's arrival rate (the decayed sure load of place(), per instance) at
+          most ``cap_load_max`` of the capped instance, and
+        * every kept request of its queue meeting its deadline at the capped speed."""
+        caps: dict[int, int] = {}
+        n_live = len(live)
+        if not n_live:
+            return caps
+        reqs = priced.reqs
+        arrival = np.fromiter((r.arrival_time for r in reqs), np.float64, len(reqs))
+        with np.errstate(invalid="ignore"):
+            slo_len = priced.e2e + now - arrival
+        for m, name in enumerate(models):
+            sel = np.flatnonzero((priced.model_idx == m) & np.isfinite(slo_len))
+            if not len(sel):
+                continue
+            g0 = next((g for g, i in enumerate(live) if name in i.models), None)
+            if g0 is None:
+                continue
+            ctx, ratio = self._ctx.get(name, (1024.0, 0.0))
+            full = self._hw(live[g0], name, ctx, ratio)
+            small = self._hw(live[g0], name, ctx, ratio, batch=CAP_MIN)
+            prompt = priced.prompt[sel]
+            own_full = full.prefill_s(prompt) + priced.out_mean[sel] * full.token_time_s
+            own_small = small.prefill_s(prompt) + priced.out_shot[sel] * small.token_time_s
+            bound = (own_full > 0.5 * slo_len[sel]) & (own_small <= priced.e2e[sel])
+            if bound.any():
+                self._bound_at[name] = now
+        # work with a TTFT deadline of seconds cannot wait for a slot of a capped engine to
+        # free (late work holds slots as well): no cap while any was seen lately
+        ttft_len = priced.ttft + now - arrival
+        if (ttft_len < CAP_TTFT_S).any():
+            self._ttft_at = now
+        if now - self._ttft_at <= CAP_HOLD_S:
+            return caps
+        per_instance = self._sure_load / LOAD_WINDOW_S / n_live
+        floor = self.config.cap_throughput_min
+        for g, inst in enumerate(live):
+            q = queues[g]
+            model: str | None = inst.active_model
+            if q:
+                m = int(priced.model_idx[q[0]])
+                if (priced.model_idx[q] != m).any() or model not in (None, models[m]):
+                    continue  # several models' work: a run of each decides, not a cap
+                model = models[m]
+            if model is None or now - self._bound_at.get(model, -math.inf) > CAP_HOLD_S:
+                continue
+            ctx, ratio = self._ctx.get(model, (1024.0, 0.0))
+            full = self._hw(inst, model, ctx, ratio)
+            if full.batch < 2 * CAP_MIN:
+                continue
+            menu = sorted(
+                {max(CAP_MIN, int(full.batch * share)) for share in CAP_SHARES} - {full.batch},
+                reverse=True,
+            )
+            # occupancy per output token of the served mix (prompt ratio r): r/Π + 1/Θ
+            occ_full = ratio / full.prefill_tps + 1.0 / full.throughput_tps
+            current = self._hw(inst, model, ctx, ratio, batch=inst.max_in_engine)
+            occ_now = ratio / current.prefill_tps + 1.0 / current.throughput_tps
+            kept = np.asarray(
+                [
+                    k
+                    for k in q
+                    if keys[reqs[k].request_id][0] == FEASIBLE
+                    and reqs[k].request_id not in self._shots
+                    and math.isfinite(priced.deadline[k])
+                ],
+                dtype=np.int64,
+            )
+            chosen: int | None = None
+            for b in menu:
+                p = self._hw(inst, model, ctx, ratio, batch=b)
+                occ_b = ratio / p.prefill_tps + 1.0 / p.throughput_tps
+                if occ_full < floor * occ_b or per_instance * occ_b > (
+                    self.config.cap_load_max * occ_now
+                ):
+                    break
+                if len(kept):
+                    occ = priced.prompt[kept] / p.prefill_tps + priced.out_mean[kept] / (
+                        p.throughput_tps
+                    )
+                    var = priced.out_var[kept] / p.throughput_tps**2
+                    start = float(tab.first_slot[g]) + np.concatenate(([0.0], np.cumsum(occ)[:-1]))
+                    sd = np.sqrt(np.concatenate(([0.0], np.cumsum(var)[:-1])))
+                    pre = p.prefill_s(priced.prompt[kept])
+                    own = pre + priced.out_bound[kept] * p.token_time_s
+                    lst = np.minimum(priced.e2e[kept] - own, priced.ttft[kept] - pre)
+                    if (start + self.z * sd > lst + 1e-9).any():
+                        break
+                chosen = b
+            if chosen is not None:
+                caps[g] = chosen
+        return caps
 
     def _scale_up(self, p: GroupProblem, live: list[PlanInstance], until: float) -> dict[str, Any]:
         """A.3: the fewest extra instances of one GPU type (cloned from a live instance of that

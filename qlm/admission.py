@@ -167,6 +167,9 @@ class PullAdmission(Generic[R]):
     # no queue manager (the ``vllm`` baseline): credit for anything the coordinator holds,
     # whatever the engine wants, so every request reaches the engine at once
     unbounded: bool = False
+    # the plan's batch cap (InstanceLSO.max_in_engine): at most this many requests in the
+    # engine, running or waiting there; None: what the engine takes
+    cap: int | None = None
     owed: int = 0  # credit granted to the coordinator and not yet used by a dispatch
     received: int = 0  # dispatches received, ever (heartbeats report it)
     demoted: int = 0  # held requests moved to the best-effort tier, ever
@@ -176,14 +179,18 @@ class PullAdmission(Generic[R]):
     # max-heap of (-frozen speed, request id); entries no longer in ``frozen`` are skipped
     _floor: list[tuple[float, str]] = field(default_factory=list)
 
-    def credit_wanted(self, engine_wants: int) -> int:
+    def credit_wanted(self, engine_wants: int, in_engine: int = 0) -> int:
         """Credit to grant now, given how many requests the engine wants: what it wants less
-        what is owed; with a gate, only enough to keep ``window`` requests held for it to
-        choose from. Demoted requests do not stop it: the requests in time behind them are
-        SABER's high-priority queue, and the demoted wait until it is empty."""
+        what is owed; under a batch cap, no more than leaves ``in_engine`` (the requests the
+        engine holds, running or waiting) plus those held and owed within it; with a gate,
+        only enough to keep ``window`` requests held for it to choose from. Demoted requests
+        do not stop it: the requests in time behind them are SABER's high-priority queue, and
+        the demoted wait until it is empty."""
         if self.unbounded:
             return max(0, UNBOUNDED_CREDIT - self.owed)
         want = engine_wants - self.owed
+        if self.cap is not None:
+            want = min(want, self.cap - in_engine - len(self.held) - self.owed)
         if self.gate is not None:
             want = min(want, self.window - len(self.held))
         return max(0, want)

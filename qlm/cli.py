@@ -174,7 +174,9 @@ async def _run_coordinator(
         delivery_limit=s.delivery_limit,
         max_body_bytes=s.max_body_bytes,
         heartbeat_timeout_s=s.heartbeat_timeout_s,
-        lso=LSOSettings(eviction=s.lso_eviction, warm_start=s.lso_warm_start),
+        lso=LSOSettings(
+            eviction=s.lso_eviction, warm_start=s.lso_warm_start, batch_cap=s.lso_batch_cap
+        ),
         limits=AdmissionLimits(s.max_queued, s.max_queued_per_tenant, dict(s.tenant_limits)),
         late_task_rule=s.late_task_rule,
         batch=_batch_tier(s),
@@ -251,12 +253,18 @@ def _live_autoscaler(s: Settings, coord: Any) -> Any:
 
 
 def _live_policy(name: str, s: Settings) -> Any:
-    """The coordinator's ordering policy from the one factory: wall-clock budgets and the
-    planner's objective from QLM_PLANNER_OBJECTIVE; an unknown name is a usage error."""
+    """The coordinator's ordering policy from the one factory: wall-clock budgets, the
+    planner's objective from QLM_PLANNER_OBJECTIVE and its batch caps' throughput floor from
+    QLM_PLANNER_CAP_THROUGHPUT_MIN; an unknown name is a usage error."""
     from qlm.planner import create_policy
 
     try:
-        return create_policy(name, budget_clock="wall", objective=s.planner_objective)
+        return create_policy(
+            name,
+            budget_clock="wall",
+            objective=s.planner_objective,
+            cap_throughput_min=s.planner_cap_throughput_min,
+        )
     except ValueError as e:
         raise typer.BadParameter(str(e)) from e
 

@@ -45,6 +45,9 @@ class Settings(BaseSettings):
     # which of the plan's LSO decisions the coordinator carries out (policies that make them)
     lso_eviction: bool = True
     lso_warm_start: bool = True
+    # the plan's batch caps: agents keep fewer requests in an engine while latency-bound work
+    # needs the faster decode of a smaller batch (docs/planner.md, "Batch caps")
+    lso_batch_cap: bool = True
     # Overload control: requests the coordinator tracks (queued or running, not yet answered)
     # at most, in all and per tenant (requests without a tenant share the tenant ""); beyond
     # that a new request gets an `overloaded` error reply. None: no limit.
@@ -73,6 +76,9 @@ class Settings(BaseSettings):
     # what the qlm planner maximises (docs/planner.md): requests meeting their SLO, or the
     # service gain of those requests (Tempo)
     planner_objective: Literal["attainment", "service-gain"] = "attainment"
+    # the qlm planner's batch caps keep at least this share of an instance's full-batch
+    # throughput (docs/planner.md, "Batch caps"); 1 never caps
+    planner_cap_throughput_min: float = Field(default=0.9, gt=0, le=1)
     # the batch tier (docs/architecture.md): requests with ≥ batch_min_slack_s to their
     # deadline wait in the durable queue for spare capacity or their promotion time
     batch_tier: bool = True

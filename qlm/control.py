@@ -7,7 +7,8 @@ agent's instances, so a restarted coordinator learns the fleet from the next bea
 
 Coordinator → agent (routing key ``agent.<agent_id>``): :class:`Dispatch`, :class:`Evict`
 (stop a running request and hand back its output so far), :class:`ModelPlan` (which models
-each instance keeps awake, warm in host memory, or releases).
+each instance keeps awake, warm in host memory, or releases), :class:`BatchCap` (at most how
+many requests to keep in an engine).
 
 Agents → coordinator also: :class:`Evicted` (a request stopped before it finished, with the
 tokens it generated: the coordinator requeues it and the next attempt resumes exactly there).
@@ -67,6 +68,8 @@ class InstanceStatus(_Msg):
     dispatches_received: int | None = Field(default=None, ge=0)
     # models whose weights are in host memory (a switch to them is a warm start); None: unknown
     warm_models: list[str] | None = None
+    # the batch cap the agent applies (BatchCap): at most this many requests in the engine
+    max_in_engine: int | None = Field(default=None, ge=1)
 
 
 class Heartbeat(_Msg):
@@ -130,7 +133,17 @@ class ModelPlan(_Msg):
     states: dict[str, Literal["active", "warm", "cold"]]
 
 
-ToAgent = Annotated[Dispatch | Evict | ModelPlan, Field(discriminator="type")]
+class BatchCap(_Msg):
+    """The plan's batch cap for one instance: keep at most ``max_in_engine`` requests in the
+    engine (running or waiting there), so that each decodes faster than in a full batch;
+    ``None`` lifts it. The agent pulls less; nothing running is stopped."""
+
+    type: Literal["batch_cap"] = "batch_cap"
+    instance_id: str
+    max_in_engine: int | None = Field(default=None, ge=1)
+
+
+ToAgent = Annotated[Dispatch | Evict | ModelPlan | BatchCap, Field(discriminator="type")]
 to_agent_adapter: TypeAdapter[ToAgent] = TypeAdapter(ToAgent)
 
 

@@ -87,6 +87,8 @@ class PlanInstance:
     warm_models: tuple[str, ...] | None = None
     # Host memory free for warm models and swapped KV; None means unknown (no limit assumed).
     cpu_memory_bytes: float | None = None
+    # The batch cap its agent applies (InstanceLSO.max_in_engine); None: none
+    max_in_engine: int | None = None
 
     def serves(self, model: str) -> bool:
         return not self.draining and model in self.models
@@ -104,7 +106,10 @@ class InstanceLSO:
     * ``head_requests`` - the head group (its first batch);
     * ``preempt_running`` - the head group misses its SLO if it waits for the running batch:
       running requests may be preempted for it, by ``preemption_mode`` (``"swap"``: the KV
-      goes to host memory and back; ``"evict"``: it is recomputed)."""
+      goes to host memory and back; ``"evict"``: it is recomputed);
+    * ``max_in_engine`` - the batch cap: the agent keeps at most this many requests in the
+      engine (running and waiting there), so that each decodes faster than in a full batch,
+      for work whose deadline needs it; ``None``: as many as the engine takes."""
 
     active_model: str | None = None
     model_switch: bool = False
@@ -113,6 +118,7 @@ class InstanceLSO:
     head_requests: tuple[str, ...] = ()
     preempt_running: bool = False
     preemption_mode: Literal["swap", "evict"] = "evict"
+    max_in_engine: int | None = None
 
     def model_states(self, served: Sequence[str]) -> dict[str, str]:
         """model -> "active" | "warm" | "cold", for the models the instance serves."""
@@ -132,6 +138,7 @@ class InstanceLSO:
             "head_requests": list(self.head_requests),
             "preempt_running": self.preempt_running,
             "preemption_mode": self.preemption_mode,
+            "max_in_engine": self.max_in_engine,
         }
 
 

@@ -119,6 +119,9 @@ class InstanceState:
     running: dict[str, str] = field(default_factory=dict)  # request_id -> dispatch_id
     last_status: InstanceStatus | None = None
     model_states_sent: dict[str, str] = field(default_factory=dict)  # the last ModelPlan
+    # the last batch cap sent (None: none, or lifted; CAP_UNKNOWN: what the agent has is
+    # not known, the next plan sends its cap whatever it is)
+    cap_sent: int | None = None
     incarnation: str | None = None  # the agent process of the last heartbeat
     # the last view and what it was built from: every arrival is placed over every instance's
     # view, so it is rebuilt only when one of these changed (a million-request simulation
@@ -156,6 +159,7 @@ class InstanceState:
             cpu_memory_bytes=(
                 self.info.cpu_memory_gb * 2**30 if self.info.cpu_memory_gb is not None else None
             ),
+            max_in_engine=st.max_in_engine if st else None,
         )
 
 
@@ -183,6 +187,16 @@ class ModelStateOrder:
     instance_id: str
     agent_id: str
     states: dict[str, str]  # model -> "active" | "warm" | "cold"
+
+
+CAP_UNKNOWN = 0  # never a cap (a cap is at least 1)
+
+
+@dataclass(frozen=True)
+class BatchCapOrder:
+    instance_id: str
+    agent_id: str
+    max_in_engine: int | None  # None: lift the cap
 
 
 @dataclass(frozen=True)
@@ -229,6 +243,8 @@ class LSOSettings:
 
     eviction: bool = True  # evict (or swap out) running requests for an at-risk head group
     warm_start: bool = True  # tell agents which models to keep awake / warm / released
+    # tell agents the plan's batch cap: how many requests to keep in each engine at most
+    batch_cap: bool = True
 
 
 @dataclass(frozen=True)
@@ -638,6 +654,8 @@ class CoordinatorCore:
                     # and nothing this coordinator sent the old process is in transit
                     log.info("agent_restarted", instance_id=iid, agent_id=hb.agent_id)
                     inst.dispatches_sent = status.dispatches_received or 0
+                    # nor did the new process get the model plan or batch cap: resend them
+                    inst.model_states_sent, inst.cap_sent = {}, CAP_UNKNOWN
                 self._reconcile_credit(inst, status)
             if hb.incarnation is not None:
                 inst.incarnation = hb.incarnation
@@ -1003,6 +1021,21 @@ class CoordinatorCore:
                 tracked.evict_requested = did
                 evictions.append(EvictOrder(tracked, iid, inst.info.agent_id, did, mode))
         return model_orders, evictions
+
+    def cap_orders(self, plan: Plan) -> list[BatchCapOrder]:
+        """The plan's batch caps (``InstanceLSO.max_in_engine``) for the agents, each sent when
+        it changed. An instance the plan says nothing of keeps what it was sent; a policy that
+        makes no LSO decisions sends none."""
+        orders: list[BatchCapOrder] = []
+        if not self.lso.batch_cap:
+            return orders
+        for iid, decision in plan.lso.items():
+            inst = self.instances.get(iid)
+            if inst is None or inst.status != "alive" or decision.max_in_engine == inst.cap_sent:
+                continue
+            inst.cap_sent = decision.max_in_engine
+            orders.append(BatchCapOrder(iid, inst.info.agent_id, decision.max_in_engine))
+        return orders
 
     def check_liveness(self, now: float) -> list[tuple[str, list[TrackedRequest]]]:
         lost = []

@@ -14,7 +14,7 @@ import contextlib
 import hashlib
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import aio_pika
@@ -34,6 +34,7 @@ from qlm.catalog import ModelCatalog
 from qlm.chains import LateTaskRule
 from qlm.collective import GraphError
 from qlm.control import (
+    BatchCap,
     Completion,
     Dispatch,
     Evict,
@@ -49,7 +50,9 @@ from qlm.control import (
     to_coordinator_adapter,
 )
 from qlm.coordinator.core import (
+    CAP_UNKNOWN,
     AdmissionLimits,
+    BatchCapOrder,
     BatchTier,
     CoordinatorCore,
     DispatchOrder,
@@ -674,10 +677,26 @@ class Coordinator:
             mandatory=True,  # returned if the agent's queue died with its connection
         )
 
-    async def _send_lso(self, models: list[ModelStateOrder], evictions: list[EvictOrder]) -> None:
+    async def _send_lso(
+        self,
+        models: list[ModelStateOrder],
+        evictions: list[EvictOrder],
+        caps: Sequence[BatchCapOrder] = (),
+    ) -> None:
         """Carry out the plan's LSOs. Best effort: an order that does not arrive only leaves
-        the instance as it was (the request keeps running; the model state is resent with
-        the next plan that changes it), so nothing is lost or answered twice."""
+        the instance as it was (the request keeps running; the model state and the batch cap
+        are resent with the next plan that changes them), so nothing is lost or answered
+        twice."""
+        for c in caps:
+            cap = BatchCap(instance_id=c.instance_id, max_in_engine=c.max_in_engine)
+            try:
+                await self._to_agent(c.agent_id, cap.model_dump_json())
+                log.info("batch_cap_sent", instance_id=c.instance_id, cap=c.max_in_engine)
+            except Exception as exc:
+                inst = self.core.instances.get(c.instance_id)
+                if inst is not None:
+                    inst.cap_sent = CAP_UNKNOWN  # the next plan sends its cap again
+                log.warning("batch_cap_failed", instance_id=c.instance_id, error=repr(exc))
         for m in models:
             body = ModelPlan(instance_id=m.instance_id, states=m.states)  # type: ignore[arg-type]
             try:
@@ -1446,8 +1465,9 @@ class Coordinator:
             (scale_up.get("recommendation") or {}) if scale_up.get("needed") else {}
         )
         models, evictions = self.core.lso_orders(plan)
-        if models or evictions:
-            self._spawn(self._send_lso(models, evictions))
+        caps = self.core.cap_orders(plan)
+        if models or evictions or caps:
+            self._spawn(self._send_lso(models, evictions, caps))
         self._pump()
         return {
             "plan_id": plan.plan_id,

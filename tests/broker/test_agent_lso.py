@@ -16,7 +16,7 @@ from qlm.agents.engine import EngineOutput, EngineRequest
 from qlm.agents.sim import SimEngine
 from qlm.client import QlmClient
 from qlm.control import Dispatch
-from qlm.coordinator.core import EvictOrder, ModelStateOrder, TrackState
+from qlm.coordinator.core import BatchCapOrder, EvictOrder, ModelStateOrder, TrackState
 from qlm.coordinator.service import Coordinator
 from qlm.planner import create_policy
 from qlm.store import Store
@@ -226,6 +226,44 @@ async def test_qlm_planner_evicts_batch_work_for_urgent_requests(
                 )
             chat = [r for r in replies if r.request_id.startswith("chat")]
             assert sum(r.slo.met for r in chat) >= 8
+    finally:
+        await agent.stop()
+        await coord.stop()
+        await store.close()
+
+
+@pytest.mark.broker
+async def test_the_agent_keeps_its_engine_within_the_batch_cap(
+    isolated_amqp_url: str, tmp_path
+) -> None:  # type: ignore[no-untyped-def]
+    """A BatchCap order reaches the agent over the broker: it keeps at most that many requests
+    in its engine (the rest wait upstream in the virtual queue), reports the cap in its
+    heartbeats, and every request is still answered once."""
+    store = await Store.open(f"sqlite+aiosqlite:///{tmp_path}/qlm.db")
+    coord = Coordinator(
+        amqp_url=isolated_amqp_url, policy=create_policy("edf"), store=store, shards=1
+    )
+    await coord.start()
+    engine = SimEngine("A100-80GB", [MODEL], time_scale=5.0, seed=3)
+    agent = Agent(isolated_amqp_url, [engine], agent_id="cap", heartbeat_interval_s=0.2)
+    await agent.start()
+    peak = 0
+    try:
+        async with QlmClient(isolated_amqp_url) as client:
+            await _wait(lambda: "cap-gpu0" in coord.core.instances)
+            await coord._send_lso([], [], [BatchCapOrder("cap-gpu0", "cap", 2)])
+            await _wait(lambda: coord.core.instances["cap-gpu0"].plan_view().max_in_engine == 2)
+            futs = [await client.submit(_request(f"c{k}", max_tokens=60)) for k in range(6)]
+            done = asyncio.ensure_future(asyncio.gather(*(asyncio.shield(f) for f in futs)))
+            while not done.done():
+                s = engine.stats()
+                peak = max(peak, s.running + s.waiting)
+                await asyncio.sleep(0.01)
+            replies = done.result()
+            assert all(isinstance(r, ResultMessage) for r in replies)
+            assert 0 < peak <= 2
+            await asyncio.sleep(0.3)
+            assert client.duplicate_count() == 0
     finally:
         await agent.stop()
         await coord.stop()

@@ -321,6 +321,8 @@ def test_cli_refuses_bad_model_configs_and_gpu_tables(
     _write(tmp_path / "bad", {"model_type": "llama"})
     (tmp_path / "gpus.yaml").write_text("X: {memory_gb: 1, mem_bw_gbs: 1, bf16_tflops: 1}\n")
     args = [a.format(bad=tmp_path / "bad", table=tmp_path / "gpus.yaml") for a in args]
-    result = CliRunner().invoke(app, args, env={"QLM_ADMIN_TOKEN": "t" * 32})
+    # wide enough that the error box does not wrap the message (it holds a tmp path whose
+    # length varies from run to run)
+    result = CliRunner().invoke(app, args, env={"QLM_ADMIN_TOKEN": "t" * 32, "COLUMNS": "400"})
     assert result.exit_code == 2, result.output
     assert message in " ".join(result.output.split())

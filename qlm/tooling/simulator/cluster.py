@@ -87,10 +87,11 @@ class LSOSwitches:
     swap: bool = False
     warm_start: bool = False
     slo_pull: bool = False  # SLO-aware pull gate (qlm.admission), else pull while KV allows
+    batch_cap: bool = False  # the plan's batch cap per engine (InstanceLSO.max_in_engine)
 
     @classmethod
     def all(cls) -> LSOSwitches:
-        return cls(True, True, True, True)
+        return cls(True, True, True, True, True)
 
 
 @dataclass(frozen=True)
@@ -359,7 +360,9 @@ class ClusterSimulator:
             policy,
             heartbeat_timeout_s=math.inf,
             clock=lambda: self.now,
-            lso=LSOSettings(eviction=lso.eviction, warm_start=lso.warm_start),
+            lso=LSOSettings(
+                eviction=lso.eviction, warm_start=lso.warm_start, batch_cap=lso.batch_cap
+            ),
             late_task_rule=self.config.late_task_rule,
         )
         self.requests = sorted(requests, key=lambda r: (r.arrival_s, r.request_id))
@@ -556,6 +559,7 @@ class ClusterSimulator:
             credit_outstanding=agent.owed,
             dispatches_received=agent.received,
             warm_models=list(inst.warm) if inst.warm_start else [],
+            max_in_engine=agent.cap,
         )
 
     def _heartbeat(self, inst: SimInstance) -> None:
@@ -626,7 +630,7 @@ class ClusterSimulator:
                 inst.enqueue(batch, self.now)
             if iid not in self.instances:
                 return  # draining: it pulls nothing new
-            want = agent.credit_wanted(inst.wants())
+            want = agent.credit_wanted(inst.wants(), len(inst.running) + len(inst.waiting))
             if want > 0:
                 agent.granted(want)
                 self.core.on_pull(iid, want)
@@ -852,6 +856,13 @@ class ClusterSimulator:
         self._plan_pending = False
         self.core.adopt_plan(plan, self.now)
         model_orders, evictions = self.core.lso_orders(plan)
+        for cap in self.core.cap_orders(plan):
+            agent = self.agents.get(cap.instance_id)
+            if agent is not None and agent.cap != cap.max_in_engine:
+                agent.cap = cap.max_in_engine
+                inst = self.instances.get(cap.instance_id)
+                if inst is not None:
+                    self._heartbeat(inst)  # the planner prices at the cap the agent applies
         for mo in model_orders:
             inst = self.instances.get(mo.instance_id)
             if inst is not None:

@@ -162,7 +162,13 @@ def instance_specs(spec: ScenarioSpec) -> list[InstanceSpec]:
 def sim_config(spec: ScenarioSpec, policy_name: str, policy: QueuePolicy) -> SimConfig:
     opts = spec.options
     lso = (
-        LSOSwitches(opts.lso.eviction, opts.lso.swap, opts.lso.warm_start, opts.lso.slo_pull)
+        LSOSwitches(
+            opts.lso.eviction,
+            opts.lso.swap,
+            opts.lso.warm_start,
+            opts.lso.slo_pull,
+            opts.lso.batch_cap,
+        )
         if policy_name in opts.lso_policies
         else LSOSwitches()
     )

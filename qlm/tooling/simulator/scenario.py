@@ -278,6 +278,8 @@ class LSOSpec(_Strict):
     # `--admission none`; with clients' max_tokens caps its required speeds are far above what
     # requests need, and it throttles the batch (docs/simulator.md, LSOs)
     slo_pull: bool = False
+    # the plan's batch caps (InstanceLSO.max_in_engine), as the live QLM_LSO_BATCH_CAP
+    batch_cap: bool = True
 
 
 class SimOptions(_Strict):
