@@ -227,6 +227,58 @@ class WorkClock:
         return self.now
 
 
+def _insertion_scores(p: GroupProblem, g: int, target: Sequence[int], i: int) -> np.ndarray:
+    """``_queue_score(p, g, target[:k] + [i] + target[k:])`` for every ``k`` in 0..len(target),
+    in one vectorised pass: the groups before ``k`` keep their completions; the ones from ``k``
+    on shift by the same amount, ``i``'s own switch and occupancy plus the change of the switch
+    into the group at ``k`` (its predecessor's model is now ``i``'s)."""
+    n = len(target)
+    idx = np.asarray(target, dtype=np.int64)
+    mi = int(p.model[i])
+    models = p.model[idx].astype(np.int64)
+    # the model before each position of the original queue (init_model before the first)
+    prev = np.concatenate(([int(p.init_model[g])], models)) if n else np.array([p.init_model[g]])
+    switch_g = p.switch[g]
+    # switch events and costs of the original queue, into each of its groups
+    sw_ev = (prev[:n] != -1) & (prev[:n] != models)
+    sw_cost = np.where(sw_ev, switch_g[models], 0.0) if n else np.zeros(0)
+    dur, own = p.dur[idx, g], p.own[idx, g]
+    start = p.base[g] + np.concatenate(([0.0], np.cumsum(sw_cost + dur)))  # (n+1,) before each
+    done = start[:n] + sw_cost + own
+    dl, w = p.deadline[idx], p.weight[idx]
+    # i at each position: its switch from the model before, then the change of the next switch
+    i_ev = (prev != -1) & (prev != mi)  # (n+1,)
+    i_sw = np.where(i_ev, switch_g[mi], 0.0)
+    nxt_cost = np.zeros(n + 1)
+    if n:
+        nxt_cost[:n] = np.where(models != mi, switch_g[models], 0.0) - sw_cost
+    shift = i_sw + p.dur[i, g] + nxt_cost  # (n+1,) what every group from the position moves
+    c_i = start + i_sw + p.own[i, g]  # (n+1,) i's own completion at each position
+    # met weight and tardiness of the unchanged prefix, then of the shifted suffix
+    met0 = np.where(done <= dl, w, 0.0)
+    late0 = np.maximum(done - dl, 0.0)
+    late0 = np.where(np.isfinite(late0), late0, 0.0)
+    pre_met = np.concatenate(([0.0], np.cumsum(met0)))
+    pre_late = np.concatenate(([0.0], np.cumsum(late0)))
+    shifted = done[None, :] + shift[:, None]  # (n+1, n)
+    after = np.arange(n)[None, :] >= np.arange(n + 1)[:, None]
+    suf_met = np.where(after & (shifted <= dl[None, :]), w[None, :], 0.0).sum(axis=1)
+    late = np.maximum(shifted - dl[None, :], 0.0)
+    suf_late = np.where(after & np.isfinite(late), late, 0.0).sum(axis=1)
+    di = float(p.deadline[i])
+    met_i = np.where(c_i <= di, float(p.weight[i]), 0.0)
+    late_i = np.maximum(c_i - di, 0.0)
+    late_i = np.where(np.isfinite(late_i), late_i, 0.0)
+    # switch events: the original ones, less the one into the group at the position (replaced
+    # by the one from i into it), plus i's own
+    events = int(sw_ev.sum()) + i_ev.astype(np.int64)
+    if n:
+        events[:n] += (models != mi).astype(np.int64) - sw_ev.astype(np.int64)
+    met = pre_met + suf_met + met_i
+    tard = pre_late + suf_late + late_i
+    return met - TARDINESS_WEIGHT * tard - SWITCH_WEIGHT * events
+
+
 def local_search(
     p: GroupProblem,
     queues: list[list[int]],
@@ -236,13 +288,19 @@ def local_search(
     clock: Callable[[], float] = time.perf_counter,
 ) -> list[list[int]]:
     """Best-improvement relocation: move one group to any position of any eligible queue while
-    that raises the score; stops at a local optimum or at ``deadline_s`` (read on ``clock``)."""
+    that raises the score; stops at a local optimum or at ``deadline_s`` (read on ``clock``).
+
+    Every position of a destination queue is scored in one vectorised pass
+    (:func:`_insertion_scores`), and the clock is read once per (group, destination): reading
+    it once per group let a long queue run far past the budget (a :class:`WorkClock` then
+    bounded nothing: wa's replans took 11 s of work each)."""
     if p.n_groups > max_groups:
         return queues
     queues = [list(q) for q in queues]
     scores = [_queue_score(p, g, q) for g, q in enumerate(queues)]
     improved = True
-    while improved and clock() < deadline_s:
+    out_of_time = False
+    while improved and not out_of_time and clock() < deadline_s:
         improved = False
         best: tuple[float, int, int, int, int] | None = None
         for src, q in enumerate(queues):
@@ -250,21 +308,26 @@ def local_search(
                 rest = q[:pos] + q[pos + 1 :]
                 s_src = _queue_score(p, src, rest)
                 for dst_np in np.flatnonzero(p.eligible[i]):
+                    if clock() > deadline_s:
+                        out_of_time = True
+                        break
                     dst = int(dst_np)
                     target = rest if dst == src else queues[dst]
                     if dst == src:
                         old, kept = scores[src], 0.0
                     else:
                         old, kept = scores[src] + scores[dst], s_src
-                    for ins in range(len(target) + 1):
-                        if dst == src and ins == pos:
-                            continue
-                        cand = target[:ins] + [i] + target[ins:]
-                        gain = _queue_score(p, dst, cand) + kept - old
-                        if gain > 1e-9 and (best is None or gain > best[0]):
-                            best = (gain, src, pos, dst, ins)
-                if clock() > deadline_s:
+                    gains = _insertion_scores(p, dst, target, i) + kept - old
+                    if dst == src:
+                        gains[pos] = -np.inf  # back where it was: no move
+                    ins = int(np.argmax(gains))
+                    gain = float(gains[ins])
+                    if gain > 1e-9 and (best is None or gain > best[0]):
+                        best = (gain, src, pos, dst, ins)
+                if out_of_time:
                     break
+            if out_of_time:
+                break
         if best is not None:
             _, src, pos, dst, ins = best
             i = queues[src].pop(pos)
