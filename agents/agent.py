@@ -20,6 +20,13 @@ import aiormq
 import structlog
 from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractRobustConnection
 from pydantic import ValidationError
+from tenacity import (
+    AsyncRetrying,
+    RetryCallState,
+    retry_if_exception_type,
+    stop_after_delay,
+    wait_exponential,
+)
 
 from qlm.admission import PullAdmission, SLOAdmissionGate, required_speed
 from qlm.agents.engine import (
@@ -55,6 +62,15 @@ from qlm.topology import (
 from qlm.types import CONTENT_TYPE
 
 log = structlog.get_logger(__name__)
+
+# A failed publish of a result or goodbye is tried again after 0.1 s, doubling up to 2 s: fast
+# through a blip, and no busy loop while the broker is away for minutes.
+PUBLISH_BACKOFF = wait_exponential(multiplier=0.1, max=2.0)
+
+
+def _failure(state: RetryCallState) -> BaseException | None:
+    """The exception of the attempt that just failed (for the retry's log line)."""
+    return state.outcome.exception() if state.outcome is not None else None
 
 
 @dataclass
@@ -121,6 +137,7 @@ class Agent:
         self._sub: AbstractChannel | None = None
         self._dispatch_queue: Any = None
         self.reconnects = 0
+        self.goodbye_within_s = 60.0  # how long a reconnect's goodbye is tried
         self._tasks: list[asyncio.Task[None]] = []
         self._side_tasks: set[asyncio.Task[None]] = set()
         self._wake = asyncio.Event()
@@ -263,23 +280,24 @@ class Agent:
         task.add_done_callback(self._side_tasks.discard)
 
     async def _announce_new_session(self) -> None:
+        """Publish the goodbye, trying again for up to ``goodbye_within_s`` (then log it)."""
         body = Goodbye(agent_id=self.agent_id).model_dump_json()
-        delay = 0.1
-        deadline = time.monotonic() + 60.0
-        while True:
-            try:
-                await self._publish(body, persistent=True)
-                self.log.warning("agent_reconnected", reconnects=self.reconnects)
-                return
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                if time.monotonic() > deadline:
-                    self.log.error("reconnect_goodbye_failed", error=repr(exc))
-                    return
-                self.log.warning("reconnect_goodbye_retry", error=repr(exc))
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 2.0)
+
+        def retrying(state: RetryCallState) -> None:
+            self.log.warning("reconnect_goodbye_retry", error=repr(_failure(state)))
+
+        try:
+            await AsyncRetrying(
+                retry=retry_if_exception_type(Exception),  # never CancelledError: stop at once
+                wait=PUBLISH_BACKOFF,
+                stop=stop_after_delay(self.goodbye_within_s),
+                before_sleep=retrying,
+                reraise=True,
+            )(self._publish, body, persistent=True)
+        except Exception as exc:
+            self.log.error("reconnect_goodbye_failed", error=repr(exc))
+            return
+        self.log.warning("agent_reconnected", reconnects=self.reconnects)
 
     # ------------------------------------------------------------------ orders
     async def _on_dispatch(self, message: AbstractIncomingMessage) -> None:
@@ -449,20 +467,18 @@ class Agent:
     async def _report(self, msg: Completion | Failure | Evicted) -> None:
         """Publish with a confirm; keep trying across reconnects: a result is never dropped."""
         body = msg.model_dump_json()
-        delay = 0.1
-        while True:
-            try:
-                await self._publish(body, persistent=True)
-                self.completed += 1
-                self.reports[msg.type] = self.reports.get(msg.type, 0) + 1
-                return
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                self.report_retries += 1
-                self.log.warning("report_retry", request_id=msg.request_id, error=repr(exc))
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 2.0)
+
+        def retrying(state: RetryCallState) -> None:
+            self.report_retries += 1
+            self.log.warning("report_retry", request_id=msg.request_id, error=repr(_failure(state)))
+
+        await AsyncRetrying(
+            retry=retry_if_exception_type(Exception),  # never CancelledError: stop at once
+            wait=PUBLISH_BACKOFF,
+            before_sleep=retrying,
+        )(self._publish, body, persistent=True)
+        self.completed += 1
+        self.reports[msg.type] = self.reports.get(msg.type, 0) + 1
 
     # ------------------------------------------------------------------ credit and heartbeats
     async def _pull_loop(self) -> None:

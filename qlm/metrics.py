@@ -411,9 +411,14 @@ class CoordinatorMetrics:
     def set_unacked(self, n: int) -> None:
         self._unacked.set(n)
 
-    def set_scale_up(self, recommendation: Mapping[str, Any]) -> None:
-        """The planner's advice (``{"gpu_type": ..., "count": ...}``); empty clears it."""
-        for gpu_type in self._scale_up_types:  # reset every GPU type advised before
+    def set_scale_up(
+        self, recommendation: Mapping[str, Any], gpu_types: Iterable[str] = ()
+    ) -> None:
+        """The planner's advice (``{"gpu_type": ..., "count": ...}``); empty clears it.
+        ``gpu_types``: the GPU types the plan had, each exported (0 unless advised), so that a
+        cluster that needs nothing more reads 0 on the dashboard, not "no data"."""
+        self._scale_up_types.update(gpu_types)
+        for gpu_type in self._scale_up_types:  # reset every GPU type seen or advised before
             self._scale_up.labels(gpu_type=gpu_type).set(0)
         if recommendation.get("gpu_type"):
             gpu_type = str(recommendation["gpu_type"])

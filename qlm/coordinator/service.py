@@ -1462,7 +1462,9 @@ class Coordinator:
         self.capacity.on_plan(plan.meta)
         scale_up = plan.meta.get("scale_up") or {}
         self.metrics.set_scale_up(
-            (scale_up.get("recommendation") or {}) if scale_up.get("needed") else {}
+            (scale_up.get("recommendation") or {}) if scale_up.get("needed") else {},
+            # a plan that judged scaling (qlm's) says 0 for the GPU types it found enough of
+            gpu_types={i.gpu_type for i in instances} if "scale_up" in plan.meta else (),
         )
         models, evictions = self.core.lso_orders(plan)
         caps = self.core.cap_orders(plan)

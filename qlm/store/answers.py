@@ -31,6 +31,14 @@ from typing import Any, cast
 import sqlalchemy as sa
 import structlog
 from sqlalchemy.ext.asyncio import AsyncEngine
+from tenacity import (
+    AsyncRetrying,
+    RetryCallState,
+    retry_if_exception_type,
+    stop_after_attempt,
+    wait_chain,
+    wait_fixed,
+)
 
 from qlm.store.models import Answer
 
@@ -188,29 +196,36 @@ class AnswerLog:
         for answer, _ in records:
             fresh.setdefault(answer.request_id, answer)
         wanted = sorted(set(fresh) | set(lookups))
-        for attempt, delay in enumerate((*RETRY_DELAYS_S, None)):
-            try:
-                async with self._engine.begin() as conn:
-                    if fresh:
-                        stmt = self._insert(ANSWERS).on_conflict_do_nothing(
-                            index_elements=["request_id"]
-                        )
-                        await conn.execute(stmt, [a.columns() for a in fresh.values()])
-                    rows = await conn.execute(
-                        sa.select(ANSWERS).where(ANSWERS.c.request_id.in_(wanted))
+
+        async def transaction() -> dict[str, StoredAnswer]:
+            async with self._engine.begin() as conn:
+                if fresh:
+                    stmt = self._insert(ANSWERS).on_conflict_do_nothing(
+                        index_elements=["request_id"]
                     )
-                    found = {r["request_id"]: _from_row(r) for r in rows.mappings()}
-                self.commits += 1
-                return found
-            except Exception as exc:
-                if delay is None:
-                    raise
-                log.warning(
-                    "answer_log_retry",
-                    attempt=attempt + 1,
-                    error=repr(exc)[:200],
-                    records=len(fresh),
-                    lookups=len(lookups),
+                    await conn.execute(stmt, [a.columns() for a in fresh.values()])
+                rows = await conn.execute(
+                    sa.select(ANSWERS).where(ANSWERS.c.request_id.in_(wanted))
                 )
-                await asyncio.sleep(delay)
-        raise AssertionError("unreachable")
+                return {r["request_id"]: _from_row(r) for r in rows.mappings()}
+
+        def retrying(state: RetryCallState) -> None:
+            error = state.outcome.exception() if state.outcome is not None else None
+            log.warning(
+                "answer_log_retry",
+                attempt=state.attempt_number,
+                error=repr(error)[:200],
+                records=len(fresh),
+                lookups=len(lookups),
+            )
+
+        delays = RETRY_DELAYS_S  # the module's value at each round (tests shorten it)
+        found: dict[str, StoredAnswer] = await AsyncRetrying(
+            retry=retry_if_exception_type(Exception),  # never CancelledError: stop at once
+            wait=wait_chain(*(wait_fixed(d) for d in delays)),
+            stop=stop_after_attempt(len(delays) + 1),
+            before_sleep=retrying,
+            reraise=True,  # the database's own error, for AnswerLogUnavailable's message
+        )(transaction)
+        self.commits += 1
+        return found

@@ -82,6 +82,37 @@ async def test_a_store_that_cannot_record_refuses_instead_of_answering(
         await store.close()
 
 
+async def test_a_database_that_comes_back_is_tried_again_and_records(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = await Store.open(f"sqlite+aiosqlite:///{tmp_path}/qlm.db")
+    monkeypatch.setattr(answers, "RETRY_DELAYS_S", (0.01, 0.01))
+    real = store.answers._engine
+    dead = create_async_engine("postgresql+asyncpg://qlm:qlm@127.0.0.1:1/qlm")
+    monkeypatch.setattr(store.answers, "_engine", dead)
+    retries: list[dict[str, Any]] = []
+
+    class ComesBackOnRetry:
+        """The module's logger, whose retry line brings the database back before the wait."""
+
+        def warning(self, event: str, **fields: Any) -> None:
+            assert event == "answer_log_retry"
+            retries.append(fields)
+            store.answers._engine = real
+
+    monkeypatch.setattr(answers, "log", ComesBackOnRetry())
+    try:
+        recorded = await store.answers.record(_answer("back", "a"))
+        assert recorded.reply_id == "a"
+        assert [r["attempt"] for r in retries] == [1]
+        assert "ConnectionRefusedError" in retries[0]["error"]
+        assert retries[0]["records"] == 1 and store.answers.commits == 1
+        assert (await store.answers.lookup("back")) == recorded
+    finally:
+        await dead.dispose()
+        await store.close()
+
+
 # ---------------------------------------------------------------- killed mid-answer
 def _req(i: int) -> RequestMessage:
     return RequestMessage(

@@ -1,30 +1,30 @@
-"""The shipped Grafana dashboard and Prometheus alert rules: valid JSON / YAML, and every
-metric named in every PromQL expression exists in a registry a qlm process creates (or is
-Prometheus's own ``up``). A renamed metric fails here, not on an operator's empty panel."""
+"""The shipped Grafana dashboard and Prometheus alert rules, checked as ``promtool check rules``
+would without it (no promtool here): valid JSON / YAML, every PromQL expression parses and
+type-checks (promql-parser: function names, argument counts and types), every rule has the
+fields an operator needs, and every metric an expression selects exists in a registry a qlm
+process creates (or is Prometheus's own ``up``). A renamed metric fails here, not on an
+operator's empty panel; tests/broker/test_dashboard_fills.py checks that a real run fills them."""
 
 from __future__ import annotations
 
-import json
 import re
-from collections.abc import Iterator
-from pathlib import Path
-from typing import Any
 
+import promql_parser
+import pytest
 import yaml
 
+from tests.dashboards import (
+    PROMETHEUS,
+    REPO,
+    Selector,
+    alert_queries,
+    alert_rules,
+    dashboard,
+    dashboard_queries,
+    interpolate,
+    selectors,
+)
 from tests.unit.test_metrics_docs import registries
-
-REPO = Path(__file__).resolve().parents[2]
-DASHBOARD = REPO / "docker" / "grafana" / "qlm-dashboard.json"
-ALERTS = REPO / "docker" / "prometheus" / "alerts.yml"
-PROMETHEUS = REPO / "docker" / "prometheus.yml"
-
-# PromQL words that are not metric names (functions are recognised by the "(" after them)
-_KEYWORDS = {
-    "by", "without", "on", "ignoring", "group_left", "group_right", "and", "or", "unless",
-    "bool", "offset", "le", "inf", "nan",
-}  # fmt: skip
-_IDENT = re.compile(r"[A-Za-z_:][A-Za-z0-9_:]*")
 
 
 def known_names() -> set[str]:
@@ -35,63 +35,58 @@ def known_names() -> set[str]:
     return names
 
 
-def metric_names(expr: str) -> set[str]:
-    """The metric names an expression selects: identifiers outside strings, label matchers,
-    range/subquery brackets and by/without/on/ignoring/group_* label lists, not followed by
-    "(" (a function or aggregation) and not a keyword or a number's exponent."""
-    e = re.sub(r'"(?:[^"\\]|\\.)*"', '""', expr)  # strings (label values, regexes)
-    e = re.sub(r"\{[^}]*\}", " ", e)  # label matchers
-    e = re.sub(r"\[[^\]]*\]", " ", e)  # [5m], [$__rate_interval], subqueries
-    e = re.sub(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", " ", e, flags=re.I)
-    e = re.sub(r"\$\w+", " ", e)  # Grafana variables
-    e = re.sub(r"\b\d+(\.\d+)?([eE][+-]?\d+)?\b", " ", e)  # numbers
-    out = set()
-    for m in _IDENT.finditer(e):
-        word = m.group(0)
-        rest = e[m.end() :].lstrip()
-        if rest.startswith("(") or word.lower() in _KEYWORDS:
-            continue
-        out.add(word)
-    return out
-
-
-def test_the_extractor() -> None:
-    expr = (
+def test_the_parser_rejects_what_promtool_would() -> None:
+    # the checks below mean something only if a broken expression fails to parse
+    for broken in (
+        "rate(qlm_requests_total)",  # rate() of an instant vector
+        "histogram_quantile(0.95)",  # an argument missing
+        "sum by (le) (rate(qlm_x_bucket[5m])",  # unclosed
+        "qlm_requests_total > ",
+        "rate(qlm_requests_total[5x])",  # a bad duration
+        "qlm_slo_total and 1",  # a set operator on a scalar
+        "no_such_function(qlm_requests_total)",
+    ):
+        with pytest.raises(ValueError):
+            selectors(broken)
+    with pytest.raises(KeyError):
+        interpolate("rate(x[$__rate_interval]) * $undeclared")
+    got = selectors(
         'histogram_quantile(0.95, sum by (le, model_name) (rate(qlm_x_bucket{model_name=~"a|b"}'
-        "[$__rate_interval]))) / on (job) group_left up > 1e3 and sum(qlm_y) > 0"
+        "[5m]))) / on (job) group_left up > 1e3 and sum(qlm_y) > 0"
     )
-    assert metric_names(expr) == {"qlm_x_bucket", "up", "qlm_y"}
+    assert got == [
+        Selector("qlm_x_bucket", (("model_name", "=~", "a|b"),)),
+        Selector("up", ()),
+        Selector("qlm_y", ()),
+    ]
 
 
-def _dashboard_exprs(node: Any) -> Iterator[str]:
-    if isinstance(node, dict):
-        for key, value in node.items():
-            # "expr": a panel's query; "definition": a template variable's
-            if key in ("expr", "definition") and isinstance(value, str):
-                yield value
-            else:
-                yield from _dashboard_exprs(value)
-    elif isinstance(node, list):
-        for item in node:
-            yield from _dashboard_exprs(item)
+def test_selector_matching_follows_promql() -> None:
+    s = Selector("m", (("a", "=", "x"), ("b", "=~", "y|z"), ("c", "!=", "1"), ("d", "!~", "q.*")))
+    assert s.matches({"a": "x", "b": "z", "c": "2", "d": "r"})
+    assert not s.matches({"a": "x", "b": "yz", "c": "2"})  # regexes are anchored
+    assert not s.matches({"a": "x", "b": "y", "c": "1"})
+    assert not s.matches({"a": "x", "b": "y", "d": "qq"})
+    assert Selector("m", (("a", "=", ""),)).matches({})  # an absent label is the empty one
+    assert s.matches({"b": "y"}, ignore=frozenset({"a", "c", "d"}))
+    assert not s.matches({"b": "x"}, ignore=frozenset({"a", "c", "d"}))
 
 
-def _label_values(expr: str) -> str:
-    """label_values(metric, label) -> metric (a Grafana template query)."""
-    m = re.fullmatch(r"\s*label_values\(\s*([^,]+),\s*\w+\s*\)\s*", expr)
-    return m.group(1) if m else expr
-
-
-def test_dashboard_is_valid_and_names_only_existing_metrics() -> None:
-    dash = json.loads(DASHBOARD.read_text())
+def test_dashboard_is_valid_and_every_query_parses_and_names_existing_metrics() -> None:
+    dash = dashboard()
     assert dash["uid"] and dash["title"] and dash["panels"]
-    exprs = [_label_values(e) for e in _dashboard_exprs(dash)]
-    assert len(exprs) >= 20
+    queries = dashboard_queries()
+    assert len(queries) >= 20
     known = known_names()
-    for expr in exprs:
-        names = metric_names(expr)
-        assert names, expr
-        assert names <= known, f"unknown metrics {sorted(names - known)} in {expr!r}"
+    for q in queries:
+        try:
+            sels = selectors(q.promql)
+        except ValueError as exc:
+            pytest.fail(f"{q.where}: {q.promql!r} does not parse: {exc}")
+        assert sels, q
+        names = {s.name for s in sels}
+        assert None not in names, f"{q.where}: a selector without a metric name"
+        assert names <= known, f"{q.where}: unknown metrics {sorted(names - known)}"
     ids = [p["id"] for p in dash["panels"]]
     assert len(ids) == len(set(ids)), "panel ids must be unique"
     for p in dash["panels"]:
@@ -99,26 +94,33 @@ def test_dashboard_is_valid_and_names_only_existing_metrics() -> None:
             assert p["targets"] and p["datasource"]["uid"] == "${datasource}", p["title"]
 
 
-def _alert_rules() -> list[dict[str, Any]]:
-    doc = yaml.safe_load(ALERTS.read_text())
-    return [rule for group in doc["groups"] for rule in group["rules"]]
-
-
-def test_alert_rules_are_valid_and_name_only_existing_metrics() -> None:
-    rules = _alert_rules()
+def test_alert_rules_have_what_an_operator_needs() -> None:
+    rules = alert_rules()
     assert len(rules) >= 8
-    known = known_names()
     names_seen = set()
     for rule in rules:
         assert set(rule) <= {"alert", "expr", "for", "labels", "annotations"}, rule
         assert re.fullmatch(r"Qlm[A-Za-z0-9]+", rule["alert"]), rule["alert"]
         assert rule["alert"] not in names_seen
         names_seen.add(rule["alert"])
+        # Every rule here watches a state or a rate, none a one-off event: without `for` a
+        # single evaluation would page (and flap with the next one).
+        assert "for" in rule, (rule["alert"], "needs a `for`")
+        assert promql_parser.parse_duration(rule["for"]).total_seconds() > 0, rule["alert"]
         assert rule["labels"]["severity"] in {"critical", "warning", "info"}
-        assert rule["annotations"]["summary"]
-        assert re.fullmatch(r"\d+[smh]", rule.get("for", "0s"))
-        names = metric_names(rule["expr"])
-        assert names and names <= known, (rule["alert"], sorted(names - known))
+        assert rule["annotations"]["summary"] and rule["annotations"]["description"]
+
+
+def test_alert_expressions_parse_and_name_existing_metrics() -> None:
+    known = known_names()
+    for q in alert_queries():
+        try:
+            sels = selectors(q.promql)
+        except ValueError as exc:
+            pytest.fail(f"{q.where}: {q.promql!r} does not parse: {exc}")
+        names = {s.name for s in sels}
+        assert names and None not in names, q
+        assert names <= known, (q.where, sorted(names - known))
 
 
 def test_prometheus_config_loads_the_rules() -> None:

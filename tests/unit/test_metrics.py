@@ -103,6 +103,21 @@ def test_remove_instance_drops_its_series() -> None:
     assert value(m, "qlm_virtual_queue_depth", instance_id="gpu-0") == 9
 
 
+def test_scale_up_advice_reads_zero_for_every_gpu_type_the_plan_had() -> None:
+    m = CoordinatorMetrics()
+    name = "qlm_scale_up_recommended_instances"
+    m.set_scale_up({})  # a policy that does not advise: no series
+    assert not [k for k in samples(m) if k[0] == name]
+    m.set_scale_up({}, gpu_types={"A100-80GB"})  # advised nothing: enough A100s
+    assert value(m, name, gpu_type="A100-80GB") == 0
+    m.set_scale_up({"gpu_type": "H100-80GB", "count": 3}, gpu_types={"A100-80GB"})
+    assert value(m, name, gpu_type="H100-80GB") == 3
+    assert value(m, name, gpu_type="A100-80GB") == 0
+    m.set_scale_up({})  # the next plan needs nothing: every type seen reads 0 again
+    assert value(m, name, gpu_type="H100-80GB") == 0
+    assert value(m, name, gpu_type="A100-80GB") == 0
+
+
 def test_latency_buckets_span_half_a_millisecond_to_ten_seconds() -> None:
     m = CoordinatorMetrics()
     m.observe_dispatch_latency(0.0004)
