@@ -42,8 +42,9 @@ class Settings(BaseSettings):
     heartbeat_interval_s: float = 0.5
     heartbeat_timeout_s: float = 3.0
     policy: str = "qlm"  # the stochastic planner; fcfs, edf, shepherd, ... also registered
-    # which of the plan's LSO decisions the coordinator carries out (policies that make them)
-    lso_eviction: bool = True
+    # which of the plan's LSO decisions the coordinator carries out (policies that make them);
+    # eviction is off by default: it never paid in the ablations (docs/benchmarks.md)
+    lso_eviction: bool = False
     lso_warm_start: bool = True
     # the plan's batch caps: agents keep fewer requests in an engine while latency-bound work
     # needs the faster decode of a smaller batch (docs/planner.md, "Batch caps")

@@ -241,7 +241,9 @@ class Shed:
 class LSOSettings:
     """Which of the plan's LSO decisions the live coordinator carries out."""
 
-    eviction: bool = True  # evict (or swap out) running requests for an at-risk head group
+    # evict (or swap out) running requests for an at-risk head group: off by default, it
+    # never paid in the ablations (docs/benchmarks.md, wa-ablation and wb-ablation)
+    eviction: bool = False
     warm_start: bool = True  # tell agents which models to keep awake / warm / released
     # tell agents the plan's batch cap: how many requests to keep in each engine at most
     batch_cap: bool = True

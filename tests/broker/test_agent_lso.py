@@ -16,7 +16,13 @@ from qlm.agents.engine import EngineOutput, EngineRequest
 from qlm.agents.sim import SimEngine
 from qlm.client import QlmClient
 from qlm.control import Dispatch
-from qlm.coordinator.core import BatchCapOrder, EvictOrder, ModelStateOrder, TrackState
+from qlm.coordinator.core import (
+    BatchCapOrder,
+    EvictOrder,
+    LSOSettings,
+    ModelStateOrder,
+    TrackState,
+)
 from qlm.coordinator.service import Coordinator
 from qlm.planner import create_policy
 from qlm.store import Store
@@ -183,7 +189,11 @@ async def test_qlm_planner_evicts_batch_work_for_urgent_requests(
     request resumes exactly and is answered once."""
     store = await Store.open(f"sqlite+aiosqlite:///{tmp_path}/qlm.db")
     coord = Coordinator(
-        amqp_url=isolated_amqp_url, policy=create_policy("qlm"), store=store, shards=1
+        amqp_url=isolated_amqp_url,
+        policy=create_policy("qlm"),
+        store=store,
+        shards=1,
+        lso=LSOSettings(eviction=True),  # off by default
     )
     await coord.start()
     engine = SimEngine("A100-80GB", [MODEL], time_scale=4.0, seed=3, max_batch_size=8)

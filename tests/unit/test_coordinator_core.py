@@ -350,7 +350,10 @@ def _plan_with_lso(core: CoordinatorCore, decision: InstanceLSO) -> Plan:
 
 
 def test_lso_orders_evict_later_deadlines_for_an_at_risk_head_group() -> None:
+    from qlm.coordinator.core import LSOSettings
+
     core = core_with({"a": 1})
+    core.lso = LSOSettings(eviction=True)  # off by default
     relaxed, r_order = _dispatched(core, e2e_ms=600_000)
     urgent_running, _ = _dispatched(core, e2e_ms=1_000)
     head = admit(core, e2e_ms=5_000)

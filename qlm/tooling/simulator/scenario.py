@@ -271,8 +271,10 @@ class StreamSpec(_Strict):
 
 
 class LSOSpec(_Strict):
-    eviction: bool = True
-    swap: bool = True
+    # eviction and KV swap: off by default, as the live QLM_LSO_EVICTION; they never paid in
+    # the ablations (docs/benchmarks.md, wa-ablation and wb-ablation)
+    eviction: bool = False
+    swap: bool = False
     warm_start: bool = True
     # the SLO-aware pull gate (qlm.admission): off by default, as the live agent's
     # `--admission none`; with clients' max_tokens caps its required speeds are far above what
