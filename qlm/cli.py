@@ -1454,14 +1454,16 @@ def _bench_capacity_sim(
     from qlm.tooling.capacity.sim import (
         CAPACITY_POLICY_NAMES,
         capacity_preset,
+        reactive_up,
         run_capacity_scenario,
     )
 
     names = [p.strip() for p in policies.split(",") if p.strip()] if policies else None
-    unknown = [n for n in names or () if n not in CAPACITY_POLICY_NAMES]
+    unknown = [n for n in names or () if n not in CAPACITY_POLICY_NAMES and reactive_up(n) is None]
     if unknown:
         raise typer.BadParameter(
-            f"unknown capacity policies {unknown}; known: {', '.join(CAPACITY_POLICY_NAMES)}"
+            f"unknown capacity policies {unknown}; known: {', '.join(CAPACITY_POLICY_NAMES)} "
+            "and reactive@U (reactive with up threshold U, down U - 0.4)"
         )
     configure_logging(os.environ.get("QLM_LOG_LEVEL", "warning"), _settings().log_format, "bench")
     command = "qlm bench sim " + " ".join(sys.argv[3:]) if len(sys.argv) > 3 else ""

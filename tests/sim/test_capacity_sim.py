@@ -287,3 +287,29 @@ def test_bench_sim_capacity_cli_writes_the_json(tmp_path) -> None:  # type: igno
     assert (tmp_path / "d" / "results.md").exists() and (tmp_path / "d" / "instances.png").exists()
     bad = CliRunner().invoke(app, ["bench", "sim", "--scenario", "capacity", "--policies", "fcfs"])
     assert bad.exit_code == 2 and "unknown capacity policies" in bad.output
+
+
+def test_lt_ua_is_compared_with_reactive_tuned_to_its_attainment() -> None:
+    from qlm.tooling.capacity.sim import capacity_checks, reactive_up
+
+    assert reactive_up("reactive@0.5") == 0.5
+    assert reactive_up("reactive") is None and reactive_up("reactive@x") is None
+    assert reactive_up("cato@0.5") is None and reactive_up("reactive@1.5") is None
+
+    def col(att: float, hours: float) -> dict[str, float]:
+        return {"slo_attainment": att, "instance_hours": hours, "p95_latency_s": 10.0}
+
+    results = {
+        "lt-ua": col(0.95, 100.0),
+        "reactive": col(0.60, 90.0),  # cheaper, but misses far more
+        "reactive@0.5": col(0.94, 110.0),
+        "reactive@0.3": col(0.96, 140.0),  # the cheapest that reaches LT-UA's 95 %
+    }
+    equal = capacity_checks(results)[-1]
+    assert "tuned to its SLO attainment" in equal["target"]
+    assert equal["met"] and "28.6 % fewer" in equal["measured"]
+    results["reactive@0.3"] = col(0.96, 120.0)
+    assert not capacity_checks(results)[-1]["met"]  # 16.7 % fewer only
+    # no threshold reaches it: as far as the ones tried go, LT-UA wins, and the check says so
+    del results["reactive@0.3"]
+    assert "no reactive threshold tried" in capacity_checks(results)[-1]["measured"]
