@@ -1260,11 +1260,13 @@ def bench_glance_cmd(
     ] = None,
 ) -> None:
     """Results at a glance: one row per run of `qlm bench sim` - qlm against the strongest
-    baseline where it fares worst, the hindsight bound, the target, met or missed."""
+    baseline where it fares worst, the hindsight bound, the target, met or missed. With
+    --write, also every run's attainment table between its `attainment:RUN` markers."""
     from qlm.tooling.simulator.glance import (
         glance_markdown,
         glance_rows,
         load_summaries,
+        write_attainment_blocks,
         write_into,
     )
 
@@ -1273,6 +1275,8 @@ def bench_glance_cmd(
     typer.echo(table)
     if write is not None:
         write_into(write, table)
+        for name in write_attainment_blocks(write, summaries):
+            typer.echo(f"wrote the attainment table of {name}")
 
 
 @bench_app.command("planner")

@@ -7,7 +7,15 @@ from pathlib import Path
 
 import pytest
 
-from qlm.tooling.simulator.glance import BEGIN, END, glance_markdown, glance_row, write_into
+from qlm.tooling.simulator.glance import (
+    BEGIN,
+    END,
+    attainment_markdown,
+    glance_markdown,
+    glance_row,
+    write_attainment_blocks,
+    write_into,
+)
 
 
 def summary(qlm: list[float], edf: list[float], fcfs: list[float], **extra: object) -> dict:
@@ -64,3 +72,21 @@ def _unmarked(tmp_path: Path) -> Path:
     page = tmp_path / "plain.md"
     page.write_text("nothing here\n")
     return page
+
+
+def test_a_runs_attainment_table_has_qlm_first_mean_sd_and_the_bound(tmp_path: Path) -> None:
+    s = summary([0.9, 0.6], [0.85, 0.65], [0.95, 0.5])
+    s["sweep"]["label"] = "rate"
+    s["sd"] = {"qlm": {"slo_attainment": [0.01, 0.02]}}
+    table = attainment_markdown(s)
+    assert table.splitlines()[0] == "| rate | qlm | edf | fcfs | bound |"
+    assert "| 4 | 90.0 ± 1.0 | 85.0 | 95.0 | 100.0 |" in table  # no sd recorded: the mean
+    page = tmp_path / "b.md"
+    page.write_text(
+        "a\n<!-- attainment:wb:begin -->\nold\n<!-- attainment:wb:end -->\nb\n"
+        "<!-- attainment:gone:begin -->\nkeep\n<!-- attainment:gone:end -->\n"
+    )
+    assert write_attainment_blocks(page, {"wb": s}) == ["wb"]
+    text = page.read_text()
+    assert "old" not in text and "| 8 | 60.0 ± 2.0 | 65.0 | 50.0 | 90.0 |" in text
+    assert "keep" in text  # a block whose run is not given stays as it was

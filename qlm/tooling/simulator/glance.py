@@ -183,6 +183,62 @@ def _fmt(value: float | None) -> str:
     return "–" if value is None else f"{value:.1f}"
 
 
+def _mean_sd(mean: Any, sd: Any, k: int | None, seeds: int) -> str:
+    m = _pct(_at(mean, k))
+    if m is None:
+        return "–"
+    d = _pct(_at(sd, k)) if sd is not None else None
+    return f"{m:.1f}" if seeds < 2 or d is None else f"{m:.1f} ± {d:.1f}"
+
+
+def attainment_markdown(summary: Mapping[str, Any]) -> str:
+    """One run's SLO attainment (%) at every point: qlm, then the other columns in the run's
+    order, then the hindsight bound; mean ± sd over the seeds where there are several."""
+    policies: Mapping[str, Any] = summary.get("policies", {})
+    names = ([QLM] if QLM in policies else []) + [p for p in policies if p != QLM]
+    sds: Mapping[str, Any] = summary.get("sd") or {}
+    seeds = len(summary.get("seeds") or [summary.get("seed", 0)])
+    hindsight = summary.get(HINDSIGHT) or {}
+    labels = _labels(summary)
+    points: list[int | None] = list(range(len(labels))) if summary.get("sweep") else [None]
+    label = (summary.get("sweep") or {}).get("label") or "point"
+    head = f"| {label} | " + " | ".join(names) + (" | bound |" if hindsight else " |")
+    rule = "|---|" + "---:|" * (len(names) + (1 if hindsight else 0))
+    rows = []
+    for k in points:
+        cells = [
+            _mean_sd(
+                policies[n].get("slo_attainment"),
+                (sds.get(n) or {}).get("slo_attainment"),
+                k,
+                seeds,
+            )
+            for n in names
+        ]
+        if hindsight:
+            cells.append(_fmt(_pct(_at(hindsight.get("slo_attainment"), k))))
+        point = labels[k] if k is not None else "–"
+        rows.append(f"| {point} | " + " | ".join(cells) + " |")
+    return "\n".join([head, rule, *rows]) + "\n"
+
+
+def write_attainment_blocks(page: Path, summaries: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    """Replace every ``<!-- attainment:RUN:begin -->`` ... ``<!-- attainment:RUN:end -->``
+    block of the page with RUN's attainment table; returns the runs written."""
+    text = page.read_text()
+    written = []
+    for name, summary in summaries.items():
+        begin, end = f"<!-- attainment:{name}:begin -->", f"<!-- attainment:{name}:end -->"
+        if begin not in text or end not in text:
+            continue
+        head, rest = text.split(begin, 1)
+        _, tail = rest.split(end, 1)
+        text = f"{head}{begin}\n{attainment_markdown(summary)}{end}{tail}"
+        written.append(name)
+    page.write_text(text)
+    return written
+
+
 def glance_markdown(rows: Sequence[GlanceRow]) -> str:
     head = (
         "| scenario | max_tokens | seeds | deciding point | qlm % | best baseline % "
