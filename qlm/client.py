@@ -165,6 +165,18 @@ class TokenStream:
                 self._take(item)
         return self._ready.popleft()
 
+    def next_ready(self) -> StreamPiece | None:
+        """The next piece if the chunks received so far make one deliverable, without
+        waiting; None otherwise. Never the result's piece (only :meth:`next` hands that
+        over), so a reader may use it to join what is already here into fewer pieces."""
+        while not self._ready and not self._inbox.empty():
+            # a None is only the wake-up of a reply whose future is already resolved: next()
+            # looks at the future before it waits, so taking it here loses nothing
+            chunk = self._inbox.get_nowait()
+            if chunk is not None:
+                self._take(chunk)
+        return self._ready.popleft() if self._ready else None
+
     def _finish(self, reply: Reply) -> StreamPiece:
         self.done = True
         self.close()
