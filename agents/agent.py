@@ -171,6 +171,9 @@ class Agent:
                     # known only once the engine runs (vLLM sizes its KV cache at start)
                     "kv_capacity_tokens": inst.engine.kv_capacity_tokens,
                     "max_batch_size": inst.engine.max_batch_size,
+                    "max_model_len": {
+                        m: n for m, n in inst.engine.max_model_len.items() if m in inst.info.models
+                    },
                     "capabilities": {
                         "exact_resume": caps.exact_resume,
                         "prefix_caching": caps.prefix_caching,

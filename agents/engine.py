@@ -117,6 +117,13 @@ class EngineBackend(ABC):
     @abstractmethod
     def max_batch_size(self) -> int: ...
 
+    @property
+    def max_model_len(self) -> Mapping[str, int]:
+        """Per served model, the context (prompt + output tokens) the engine accepts, as the
+        engine itself says once it runs; a model it says nothing of is left out (the sim's:
+        the catalog's limit then stands alone)."""
+        return {}
+
     @abstractmethod
     async def start(self, on_output: OutputCallback) -> None:
         """Start the engine; every finished (or failed) request is reported to ``on_output``."""

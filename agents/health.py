@@ -107,6 +107,12 @@ AGENT_METRICS: tuple[MetricDef, ...] = (
         "Token chunks of streamed requests published to their producers",
     ),
     MetricDef(
+        "qlm_agent_token_messages_published_total",
+        "counter",
+        (),
+        "AMQP messages the token chunks went out in (one per reply queue per flush)",
+    ),
+    MetricDef(
         "qlm_agent_token_chunks_failed_total",
         "counter",
         (),
@@ -171,6 +177,7 @@ class AgentCollector(Collector):
         for name, value in (
             ("qlm_agent_report_retries_total", a.report_retries),
             ("qlm_agent_token_chunks_published_total", a.token_streams.published),
+            ("qlm_agent_token_messages_published_total", a.token_streams.messages),
             ("qlm_agent_token_chunks_failed_total", a.token_streams.publish_failures),
             ("qlm_agent_broker_reconnects_total", a.reconnects),
         ):

@@ -184,6 +184,11 @@ class HttpEngine(EngineBackend):
     def max_batch_size(self) -> int:
         return self._max_batch
 
+    @property
+    def max_model_len(self) -> Mapping[str, int]:
+        # the model's card in the server's GET /v1/models (vLLM's max_model_len field)
+        return {self.model: self._max_model_len} if self._max_model_len > 0 else {}
+
     def capabilities(self) -> EngineCapabilities:
         return self._caps
 

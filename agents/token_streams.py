@@ -1,13 +1,19 @@
 """Per-token streams from the agent straight to the producer (``stream: true`` requests).
 
 The engine reports :class:`TokenDelta`s from its own loop; this module buffers them per
-request and publishes them as :class:`qlm.types.TokenChunk` messages every few milliseconds
-(or at once for a request's first tokens, whose latency is the client's TTFT, or when a
-buffer reaches its size cap). Chunks are transient and best effort: no publisher confirm, not
-persistent, a failed publish is logged and dropped. The one durable, exactly-once answer is
-still the coordinator's ResultMessage, which carries the whole output, so a consumer fills
-any gap from it (qlm/streaming.py). Publishing never blocks the engine: the listener only
-appends to a buffer, and one task of its own does the I/O.
+request and publishes them every few milliseconds (or at once for a request's first tokens,
+whose latency is the client's TTFT, or when a buffer reaches its size cap). One flush sends
+one message per reply queue, not one per request: a gateway's streams all share its reply
+queue, and at 50 streams one AMQP message per chunk cost the agent and the gateway more CPU
+than the tokens themselves. A queue with one chunk due gets a plain
+:class:`qlm.types.TokenChunk`, one with several a :class:`qlm.types.TokenBatch`
+(docs/protocol.md, "Token streams").
+
+Chunks are transient and best effort: no publisher confirm, not persistent, a failed publish
+is logged and dropped. The one durable, exactly-once answer is still the coordinator's
+ResultMessage, which carries the whole output, so a consumer fills any gap from it
+(qlm/streaming.py). Publishing never blocks the engine: the listener only appends to a
+buffer, and one task of its own does the I/O.
 """
 
 from __future__ import annotations
@@ -22,18 +28,38 @@ from aio_pika.abc import AbstractChannel, AbstractRobustConnection
 
 from qlm.agents.engine import TokenDelta
 from qlm.control import Dispatch, ReplyRoute
-from qlm.types import CONTENT_TYPE, TokenChunk
+from qlm.streaming import encode_token_message
+from qlm.types import CONTENT_TYPE, BatchedChunk
 
 log = structlog.get_logger(__name__)
 
 FLUSH_INTERVAL_S = 0.005  # how long tokens wait to be batched into one chunk
 MAX_CHUNK_TOKENS = 64  # a buffer this full is sent without waiting for the interval
+# Chunks in one TokenBatch at most: a backlog (after a reconnect) goes out in messages of a
+# size the broker and the consumer handle without a stall (~100 bytes a chunk).
+MAX_BATCH_CHUNKS = 256
 # A chunk nobody consumes (the producer went away, its durable reply queue stays) expires
 # instead of piling up: it is only useful while the request runs.
 CHUNK_TTL_MS = 60_000
 # Chunks waiting for the publisher (it is stuck while the connection is down); beyond this the
 # oldest are dropped: the results still carry their tokens.
 MAX_OUTBOX = 10_000
+# The AMQP type of every token-stream message, either shape: it says "not a reply" to
+# consumers that predate TokenBatch, which then drop a batch as a stray chunk (the result
+# still carries its tokens) instead of taking it for a malformed reply.
+TOKENS_TYPE = "tokens"
+
+
+@dataclass(frozen=True)
+class _Cut:
+    """A chunk cut from a stream's buffer, waiting to be published to each of its routes."""
+
+    routes: list[ReplyRoute]
+    request_id: str
+    offset: int
+    token_ids: list[int]
+    text: str
+    attempt: int
 
 
 @dataclass
@@ -59,19 +85,20 @@ class TokenStreams:
         self.flush_interval_s = flush_interval_s
         self.max_chunk_tokens = max_chunk_tokens
         self._streams: dict[str, _Stream] = {}
-        # chunks cut and waiting for the publisher, in order: (routes, chunk); a stream's
-        # first chunk waits apart and goes ahead of the others' (it is its client's TTFT,
-        # and, being its request's first, it overtakes nothing of its own)
-        self._outbox: list[tuple[list[ReplyRoute], TokenChunk]] = []
-        self._first: list[tuple[list[ReplyRoute], TokenChunk]] = []
+        # chunks cut and waiting for the publisher, in order; a stream's first chunk waits
+        # apart and goes ahead of the others' (it is its client's TTFT, and, being its
+        # request's first, it overtakes nothing of its own)
+        self._outbox: list[_Cut] = []
+        self._first: list[_Cut] = []
         self._dirty = asyncio.Event()
         self._urgent = asyncio.Event()
         self._conn: AbstractRobustConnection | None = None
         self._channel: AbstractChannel | None = None
         self._task: asyncio.Task[None] | None = None
         self.log = log_context or log
-        self.published = 0
-        self.publish_failures = 0
+        self.published = 0  # chunks, one per route
+        self.messages = 0  # AMQP messages they went out in
+        self.publish_failures = 0  # chunks dropped
 
     async def start(self, conn: AbstractRobustConnection) -> None:
         self._conn = conn
@@ -132,14 +159,15 @@ class TokenStreams:
     # ---- publishing
 
     def _cut(self, request_id: str, stream: _Stream) -> None:
-        chunk = TokenChunk(
+        cut = _Cut(
+            routes=stream.routes,
             request_id=request_id,
             offset=stream.offset,
             token_ids=stream.token_ids,
             text="".join(stream.text),
             attempt=stream.attempt,
         )
-        (self._outbox if stream.sent_any else self._first).append((stream.routes, chunk))
+        (self._outbox if stream.sent_any else self._first).append(cut)
         if len(self._outbox) > MAX_OUTBOX:
             del self._outbox[: len(self._outbox) - MAX_OUTBOX]
             self.publish_failures += 1
@@ -158,40 +186,56 @@ class TokenStreams:
             for rid, stream in self._streams.items():
                 if stream.token_ids:
                     self._cut(rid, stream)
-            outbox, self._outbox = self._outbox, []
-            for routes, chunk in outbox:
-                while self._first:
-                    await self._publish(*self._first.pop(0))
-                await self._publish(routes, chunk)
-            while self._first:
-                await self._publish(*self._first.pop(0))
+            cuts = self._first + self._outbox
+            self._first, self._outbox = [], []
+            for reply_to, group in _by_reply_queue(cuts).items():
+                for i in range(0, len(group), MAX_BATCH_CHUNKS):
+                    await self._publish(reply_to, group[i : i + MAX_BATCH_CHUNKS])
 
-    async def _publish(self, routes: list[ReplyRoute], chunk: TokenChunk) -> None:
-        body = chunk.model_dump_json().encode()
-        for route in routes:
-            try:
-                channel = await self._ensure_channel()
-                await channel.default_exchange.publish(
-                    aio_pika.Message(
-                        body,
-                        content_type=CONTENT_TYPE,
-                        correlation_id=route.correlation_id,
-                        type=chunk.type,
-                        delivery_mode=aio_pika.DeliveryMode.NOT_PERSISTENT,
-                        expiration=CHUNK_TTL_MS / 1000,
-                    ),
-                    routing_key=route.reply_to,
-                    mandatory=False,  # a producer that went away loses its chunks, no more
+    async def _publish(self, reply_to: str, group: list[tuple[str | None, _Cut]]) -> None:
+        """One message to ``reply_to`` with ``group``'s chunks (qlm.streaming's encoding: a
+        TokenChunk for a lone chunk, else a TokenBatch)."""
+        body, correlation_id = encode_token_message(
+            [
+                BatchedChunk(
+                    correlation_id=cid,
+                    request_id=cut.request_id,
+                    offset=cut.offset,
+                    token_ids=cut.token_ids,
+                    text=cut.text,
+                    attempt=cut.attempt,
                 )
-                self.published += 1
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                # best effort: the result carries every token, so the chunk is dropped
-                self.publish_failures += 1
-                self.log.warning(
-                    "token_chunk_publish_failed", request_id=chunk.request_id, error=repr(exc)
-                )
+                for cid, cut in group
+            ]
+        )
+        try:
+            channel = await self._ensure_channel()
+            await channel.default_exchange.publish(
+                aio_pika.Message(
+                    body,
+                    content_type=CONTENT_TYPE,
+                    correlation_id=correlation_id,
+                    type=TOKENS_TYPE,
+                    delivery_mode=aio_pika.DeliveryMode.NOT_PERSISTENT,
+                    expiration=CHUNK_TTL_MS / 1000,
+                ),
+                routing_key=reply_to,
+                mandatory=False,  # a producer that went away loses its chunks, no more
+            )
+            self.published += len(group)
+            self.messages += 1
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            # best effort: the results carry every token, so the chunks are dropped
+            self.publish_failures += len(group)
+            self.log.warning(
+                "token_chunk_publish_failed",
+                reply_to=reply_to,
+                request_ids=sorted({cut.request_id for _, cut in group})[:10],
+                chunks=len(group),
+                error=repr(exc),
+            )
 
     async def _ensure_channel(self) -> AbstractChannel:
         channel = self._channel
@@ -200,3 +244,14 @@ class TokenStreams:
             assert self._conn is not None
             channel = self._channel = await self._conn.channel(publisher_confirms=False)
         return channel
+
+
+def _by_reply_queue(cuts: list[_Cut]) -> dict[str, list[tuple[str | None, _Cut]]]:
+    """The cuts' (correlation id, cut) pairs grouped by reply queue: the queues in the order
+    their first chunk was cut (so first chunks, cut ahead, go out first), each queue's pairs
+    in cut order (a request's chunks keep their order)."""
+    groups: dict[str, list[tuple[str | None, _Cut]]] = {}
+    for cut in cuts:
+        for route in cut.routes:
+            groups.setdefault(route.reply_to, []).append((route.correlation_id, cut))
+    return groups

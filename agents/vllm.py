@@ -174,6 +174,7 @@ class _Model:
     tokenizer: Any = None
     stats: _StatsRecorder = field(default_factory=_StatsRecorder)
     kv_capacity_tokens: int = 0
+    max_model_len: int = 0  # the engine's context, from its config once it has started
     state: str = "cold"  # "active" | "warm" | "cold" (what the engine is now)
     start_task: asyncio.Task[None] | None = None  # the engine start under way, shared
     switching: asyncio.Lock = field(default_factory=asyncio.Lock)  # one state change at once
@@ -229,6 +230,10 @@ class VllmEngine(EngineBackend):
     @property
     def max_batch_size(self) -> int:
         return self.settings.max_num_seqs
+
+    @property
+    def max_model_len(self) -> Mapping[str, int]:
+        return {m.name: m.max_model_len for m in self._models.values() if m.max_model_len}
 
     def capabilities(self) -> EngineCapabilities:
         return self._caps
@@ -384,11 +389,14 @@ class VllmEngine(EngineBackend):
         model.stats, model.llm = stats, llm
         cache = llm.vllm_config.cache_config
         model.kv_capacity_tokens = int((cache.num_gpu_blocks or 0) * cache.block_size)
+        # what vLLM settled on (the setting, or the model's own limit where it derives one)
+        model.max_model_len = int(llm.vllm_config.model_config.max_model_len or 0)
         self._log.info(
             "vllm_model_started",
             model=model.name,
             seconds=round(time.monotonic() - t0, 2),
             kv_capacity_tokens=model.kv_capacity_tokens,
+            max_model_len=model.max_model_len,
             worker_in_engine_process=in_engine,
         )
 

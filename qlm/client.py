@@ -12,9 +12,10 @@ replaces the first, and ``outstanding()`` counts the requests still waiting. The
 not declare the broker topology; the coordinator does (``ensure_topology`` exists for tests).
 
 :meth:`QlmClient.stream` asks for the output as it is generated (``stream: true``): the agent
-running the request sends ``tokens`` messages (TokenChunk) to the same reply queue ahead of
-the result, and the stream hands each output token over once, in order, whatever failovers
-did to the chunks (qlm/streaming.py), ending with the result.
+running the request sends ``tokens`` messages (a TokenChunk, or a TokenBatch of several
+requests' chunks for this reply queue) ahead of the result, and the stream hands each output
+token over once, in order, whatever failovers did to the chunks (qlm/streaming.py), ending
+with the result.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from pydantic import Field, TypeAdapter, ValidationError
 
 from qlm import amqp as qlm_amqp
 from qlm.logging import LibraryLogger
-from qlm.streaming import Reassembler
+from qlm.streaming import Chunk, Reassembler, decode_token_message
 from qlm.topology import INGRESS_EXCHANGE, declare_topology
 from qlm.types import (
     CONTENT_TYPE,
@@ -51,7 +52,6 @@ from qlm.types import (
     ErrorMessage,
     RequestMessage,
     ResultMessage,
-    TokenChunk,
 )
 
 # silent unless the program configures logging: this module runs in users' programs
@@ -64,7 +64,7 @@ _reply_adapter: TypeAdapter[Reply] = TypeAdapter(
 
 # Replies in flight to this client at once; acks are cheap, so a generous window.
 _REPLY_PREFETCH = 1000
-_TOKENS_TYPE = "tokens"  # the AMQP type property of a TokenChunk
+_TOKENS_TYPE = "tokens"  # the AMQP type property of a TokenChunk and of a TokenBatch
 _CHUNK_ACK_EVERY = 64  # token chunks acked at once (multiple), well within the prefetch
 _CHUNK_ACK_DELAY_S = 0.05  # a chunk waits at most this long for its ack
 
@@ -129,16 +129,16 @@ class TokenStream:
         self._client = client
         self._reply = reply
         # token chunks in arrival order; None: the reply came
-        self._inbox: asyncio.Queue[TokenChunk | None] = asyncio.Queue()
+        self._inbox: asyncio.Queue[Chunk | None] = asyncio.Queue()
         self._ready: deque[StreamPiece] = deque()
         self.done = False
         self.chunks = 0  # token chunks received
 
-    def _feed(self, chunk: TokenChunk) -> None:
+    def _feed(self, chunk: Chunk) -> None:
         self.chunks += 1
         self._inbox.put_nowait(chunk)
 
-    def _take(self, chunk: TokenChunk) -> None:
+    def _take(self, chunk: Chunk) -> None:
         for p in self.reassembler.add(chunk.offset, chunk.token_ids, chunk.text, chunk.attempt):
             self._ready.append(StreamPiece(p.offset, p.token_ids, p.text))
 
@@ -164,6 +164,18 @@ class TokenStream:
             if item is not None:
                 self._take(item)
         return self._ready.popleft()
+
+    def next_ready(self) -> StreamPiece | None:
+        """The next piece if the chunks received so far make one deliverable, without
+        waiting; None otherwise. Never the result's piece (only :meth:`next` hands that
+        over), so a reader may use it to join what is already here into fewer pieces."""
+        while not self._ready and not self._inbox.empty():
+            # a None is only the wake-up of a reply whose future is already resolved: next()
+            # looks at the future before it waits, so taking it here loses nothing
+            chunk = self._inbox.get_nowait()
+            if chunk is not None:
+                self._take(chunk)
+        return self._ready.popleft() if self._ready else None
 
     def _finish(self, reply: Reply) -> StreamPiece:
         self.done = True
@@ -242,6 +254,10 @@ class QlmClient:
         self._streams: dict[str, TokenStream] = {}
         #: token chunks dropped: for no open stream, or not valid
         self.stray_chunks = 0
+        #: token-stream messages received (valid ones) and the chunks in them that reached an
+        #: open stream: a TokenBatch carries several requests' chunks in one message
+        self.token_messages = 0
+        self.token_chunks = 0
         self._unacked_chunk: AbstractIncomingMessage | None = None
         self._unacked_chunks = 0
         self._chunk_ack_timer: asyncio.TimerHandle | None = None
@@ -554,24 +570,32 @@ class QlmClient:
             self._forgotten.popitem(last=False)
 
     def _on_tokens(self, message: AbstractIncomingMessage) -> None:
-        """A token chunk (an agent's best-effort message, not a reply): to its open stream,
-        or dropped. It never counts as a reply, duplicate or malformed reply."""
-        cid = message.correlation_id
-        stream = self._streams.get(cid) if cid is not None else None
+        """A token-stream message (an agent's best effort, not a reply): each chunk in it to
+        its open stream, or dropped. It never counts as a reply, duplicate or malformed
+        reply."""
+        try:
+            chunks = decode_token_message(message.body, message.correlation_id)
+        except ValidationError as exc:
+            self.stray_chunks += 1
+            log.debug(
+                "token_chunk_invalid", correlation_id=message.correlation_id, error=str(exc)[:200]
+            )
+            return
+        self.token_messages += 1
+        for cid, chunk in chunks:
+            self._route_chunk(cid, chunk)
+
+    def _route_chunk(self, cid: str, chunk: Chunk) -> None:
+        stream = self._streams.get(cid)
         if stream is None:
             self.stray_chunks += 1
             log.debug("token_chunk_for_unknown_request", correlation_id=cid)
-            return
-        try:
-            chunk = TokenChunk.model_validate_json(message.body)
-        except ValidationError as exc:
-            self.stray_chunks += 1
-            log.debug("token_chunk_invalid", correlation_id=cid, error=str(exc)[:200])
             return
         if chunk.request_id != stream.request_id:
             self.stray_chunks += 1
             log.debug("token_chunk_for_other_request", correlation_id=cid)
             return
+        self.token_chunks += 1
         stream._feed(chunk)
 
     def _record(self, message: AbstractIncomingMessage) -> None:

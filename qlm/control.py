@@ -47,6 +47,9 @@ class InstanceInfo(_Msg):
     capabilities: dict[str, bool] = Field(default_factory=dict)
     capability_notes: list[str] = Field(default_factory=list)
     cpu_memory_gb: float | None = None  # host memory for warm models and swapped KV
+    # per model, the context (prompt + output tokens) the engine itself accepts, where it says
+    # (vLLM's config or its server's /v1/models); models left out: the catalog's max_context
+    max_model_len: dict[str, int] = Field(default_factory=dict)
 
 
 class InstanceStatus(_Msg):
@@ -203,7 +206,9 @@ to_coordinator_adapter: TypeAdapter[ToCoordinator] = TypeAdapter(ToCoordinator)
 
 class ServedModel(_Msg):
     id: str
-    max_model_len: int  # prompt + output tokens the coordinator accepts for it
+    # prompt + output tokens a request may have: the smallest of the catalog's max_context and
+    # what the live engines serving it report (InstanceInfo.max_model_len)
+    max_model_len: int
     instances: int  # live instances serving it
 
 

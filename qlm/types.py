@@ -192,8 +192,8 @@ class RequestMessage(_Strict):
     stage: StageInfo | None = None
     stream: bool = Field(
         default=False,
-        description="send TokenChunk messages (type 'tokens') to reply_to as tokens are "
-        "generated, before the one ResultMessage",
+        description="send TokenChunk / TokenBatch messages (AMQP type 'tokens') to reply_to "
+        "as tokens are generated, before the one ResultMessage",
     )
 
     @model_validator(mode="after")
@@ -262,21 +262,58 @@ class ResultMessage(_Strict):
     attempts: int = Field(ge=1, description="dispatches it took (more than 1 after a failover)")
 
 
+# The fields that place tokens in a streamed request's output: a TokenChunk's, and each entry's
+# of a TokenBatch.
+_ChunkOffset = Annotated[
+    int, Field(ge=0, description="index in output_token_ids of the first token here")
+]
+_ChunkText = Annotated[str, Field(description="the detokenized text of these tokens")]
+_ChunkAttempt = Annotated[int | None, Field(ge=1, description="the dispatch that sent it")]
+
+
 class TokenChunk(_Strict):
     """Tokens of a streamed request (``stream: true``) as they are generated: transient and
     best effort, published by the agent running the request straight to the reply route. The
     ResultMessage that follows is the durable answer and carries the whole output, so a
     consumer that missed chunks (an agent died, the broker dropped them) fills the gap from it.
     Chunks can repeat or overlap (a request resumed elsewhere starts again at its resume
-    point): ``offset`` says where in the output they belong."""
+    point): ``offset`` says where in the output they belong. Its request is the one the AMQP
+    ``correlation_id`` names."""
 
     type: Literal["tokens"] = "tokens"
     version: Literal[1] = 1
     request_id: str
-    offset: int = Field(ge=0, description="index in output_token_ids of the first token here")
+    offset: _ChunkOffset
     token_ids: list[int]
-    text: str = Field(default="", description="the detokenized text of these tokens")
-    attempt: int | None = Field(default=None, ge=1, description="the dispatch that sent it")
+    text: _ChunkText = ""
+    attempt: _ChunkAttempt = None
+
+
+class BatchedChunk(_Strict):
+    """One entry of a TokenBatch: a TokenChunk's fields and the correlation id of the reply
+    route it is for (the message's AMQP ``correlation_id`` cannot name several requests)."""
+
+    correlation_id: str | None = Field(
+        min_length=1,
+        description="the reply route's correlation id, as on its reply; null where the request "
+        "was published without one (its reply has none either: match by request_id)",
+    )
+    request_id: str
+    offset: _ChunkOffset
+    token_ids: list[int]
+    text: _ChunkText = ""
+    attempt: _ChunkAttempt = None
+
+
+class TokenBatch(_Strict):
+    """The token chunks of several streamed requests whose producers share one reply queue, in
+    one message: an agent sends, per flush, one message per reply queue instead of one per
+    request. ``chunks`` of one request keep the order they were cut in (increasing offsets
+    within an attempt); each is read exactly as a TokenChunk with its ``correlation_id``."""
+
+    type: Literal["tokens_batch"] = "tokens_batch"
+    version: Literal[1] = 1
+    chunks: list[BatchedChunk] = Field(min_length=1)
 
 
 class ErrorCode(StrEnum):
@@ -334,7 +371,8 @@ class CancelMessage(_Strict):
 
 
 def protocol_json_schema() -> dict[str, Any]:
-    """The JSON Schema of protocol v1 (request, result, error, token chunk), as committed."""
+    """The JSON Schema of protocol v1 (request, cancel, result, error, token chunks), as
+    committed."""
     from pydantic.json_schema import models_json_schema
 
     _, defs = models_json_schema(
@@ -344,6 +382,7 @@ def protocol_json_schema() -> dict[str, Any]:
             (ResultMessage, "serialization"),
             (ErrorMessage, "serialization"),
             (TokenChunk, "serialization"),
+            (TokenBatch, "serialization"),
         ],
         title="qlm wire protocol v1",
     )
@@ -352,8 +391,8 @@ def protocol_json_schema() -> dict[str, Any]:
     defs["description"] = (
         "Generated from qlm/types.py by `qlm schema`. Publish a RequestMessage to the ingress "
         "exchange; receive exactly one ResultMessage or ErrorMessage on reply_to (before it, "
-        "TokenChunk messages when the request asked to stream). A CancelMessage on the same "
-        "exchange withdraws a request."
+        "TokenChunk and TokenBatch messages when the request asked to stream). A CancelMessage "
+        "on the same exchange withdraws a request."
     )
     defs["oneOf"] = [
         {"$ref": "#/$defs/RequestMessage"},
@@ -361,5 +400,6 @@ def protocol_json_schema() -> dict[str, Any]:
         {"$ref": "#/$defs/ResultMessage"},
         {"$ref": "#/$defs/ErrorMessage"},
         {"$ref": "#/$defs/TokenChunk"},
+        {"$ref": "#/$defs/TokenBatch"},
     ]
     return defs

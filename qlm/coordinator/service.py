@@ -929,17 +929,25 @@ class Coordinator:
         )
 
     def served_model_list(self) -> list[ServedModel]:
-        """The catalog models live instances serve, with the context the coordinator accepts
-        (a model an agent offers that the catalog lacks is refused `unknown_model`: left out)."""
-        return [
-            ServedModel(
-                id=model,
-                max_model_len=self.catalog.get(model).max_context,
-                instances=len(instances),
+        """The catalog models live instances serve (a model an agent offers that the catalog
+        lacks is refused `unknown_model`: left out), each with the context a request can
+        count on: the smallest any live instance's engine reports for it (an engine started
+        with a shorter --max-model-len refuses what the catalog allows), never more than the
+        catalog's max_context (the coordinator refuses beyond that, whatever the engines)."""
+        served = []
+        for model, instances in sorted(self.core.served_models().items()):
+            if model not in self.catalog:
+                continue
+            limit = self.catalog.get(model).max_context
+            reported = [
+                i.info.max_model_len[model] for i in instances if model in i.info.max_model_len
+            ]
+            served.append(
+                ServedModel(
+                    id=model, max_model_len=min([limit, *reported]), instances=len(instances)
+                )
             )
-            for model, instances in sorted(self.core.served_models().items())
-            if model in self.catalog
-        ]
+        return served
 
     def _announce_models(self, now: float) -> None:
         """Tell the gateways what is served: on a change, else every SERVED_MODELS_INTERVAL_S.

@@ -637,8 +637,18 @@ class _Gateway:
         rid = call.request_id
         loop = asyncio.get_running_loop()
 
-        def next_piece() -> Awaitable[StreamPiece | None]:
-            return stream.next(max(0.0, deadline - loop.time()))
+        async def next_piece() -> StreamPiece | None:
+            piece = await stream.next(max(0.0, deadline - loop.time()))
+            if piece is None or piece.result is not None:
+                return piece
+            # pieces already here (a message held several chunks of this stream, or the
+            # gateway fell behind) go out as one event: the same text no later, and one
+            # render, socket write and client parse instead of several
+            while (more := stream.next_ready()) is not None:
+                piece = StreamPiece(
+                    piece.offset, piece.token_ids + more.token_ids, piece.text + more.text
+                )
+            return piece
 
         async def events() -> AsyncIterator[bytes]:
             answered = False

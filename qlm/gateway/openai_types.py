@@ -336,8 +336,8 @@ class ModelCard(_Out):
     object: Literal["model"] = "model"
     created: int = 0
     owned_by: str = "qlm"
-    # vLLM's extension: prompt + output tokens the model accepts (here: the coordinator's
-    # limit for it, the catalog's max_context)
+    # vLLM's extension: prompt + output tokens the model accepts (here: the smallest of the
+    # catalog's max_context and what the live engines serving it report)
     max_model_len: int | None = None
 
 

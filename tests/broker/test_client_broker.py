@@ -20,12 +20,14 @@ from qlm.tooling.report import Report
 from qlm.topology import shard_queue
 from qlm.types import (
     SLO,
+    BatchedChunk,
     ErrorCode,
     ErrorMessage,
     RequestMessage,
     ResultMessage,
     SLOOutcome,
     Timestamps,
+    TokenBatch,
     TokenChunk,
     Usage,
 )
@@ -307,9 +309,13 @@ async def test_replay_keeps_the_schedule_and_counts_duplicates_and_lost(
 
 
 async def send_chunk(
-    channel: AbstractChannel, chunk: TokenChunk | bytes, *, reply_to: str, cid: str | None
+    channel: AbstractChannel,
+    chunk: TokenChunk | TokenBatch | bytes,
+    *,
+    reply_to: str,
+    cid: str | None,
 ) -> None:
-    """Publish a token chunk the way an agent does: transient, type "tokens"."""
+    """Publish a token chunk (or a batch) the way an agent does: transient, type "tokens"."""
     body = chunk if isinstance(chunk, bytes) else chunk.model_dump_json().encode()
     await channel.default_exchange.publish(
         aio_pika.Message(body, content_type="application/json", correlation_id=cid, type="tokens"),
@@ -363,6 +369,70 @@ async def test_stream_drops_stray_duplicated_and_reordered_chunks(
         await wait_until(lambda: client.stray_chunks == 4)
         assert client.unexpected == [] and client.duplicates == {}
         assert client.reply_counts["st-1"] == 1
+
+
+async def test_streams_sharing_a_reply_queue_take_their_chunks_from_batches(
+    isolated_amqp_url: str, channel: AbstractChannel
+) -> None:
+    async with QlmClient(isolated_amqp_url) as client:
+        await client.ensure_topology(SHARDS)
+        reqs = [make_request(rid, max_tokens=4) for rid in ("sb-a", "sb-b")]
+        streams = [await client.open_stream(r) for r in reqs]
+        found = [m for ms in (await take_from_shards(channel, 2)).values() for m in ms]
+        assert {m.reply_to for m in found} == {client.reply_queue_name}  # one queue for both
+        queue = client.reply_queue_name
+        ids = {"sb-a": [1, 2, 3, 4], "sb-b": [5, 6, 7, 8]}
+
+        def entry(rid: str, start: int, end: int, cid: str | None = None) -> BatchedChunk:
+            return BatchedChunk(
+                correlation_id=cid or rid,
+                request_id=rid,
+                offset=start,
+                token_ids=ids[rid][start:end],
+                text="".join(f"<{t}>" for t in ids[rid][start:end]),
+                attempt=1,
+            )
+
+        # one message, both requests interleaved; the AMQP correlation id names neither
+        batch = TokenBatch(
+            chunks=[
+                entry("sb-a", 0, 1),
+                entry("sb-b", 0, 2),
+                entry("sb-a", 1, 2),
+                entry("sb-a", 0, 1, cid="nobody"),  # no such stream: stray
+                entry("sb-a", 2, 3, cid="sb-b"),  # sb-b's route, sb-a's tokens: stray
+            ]
+        )
+        await send_chunk(channel, batch, reply_to=queue, cid=None)
+        # the old single-chunk shape, as a lone chunk is sent, still reaches its stream
+        one = entry("sb-b", 2, 3)
+        single = TokenChunk(**one.model_dump(exclude={"correlation_id"}))
+        await send_chunk(channel, single, reply_to=queue, cid="sb-b")
+        a, b = streams
+        first = await a.next(5)
+        assert first is not None and (first.offset, first.token_ids, first.text) == (0, [1], "<1>")
+        # its second chunk came in the same message: ready without waiting, and then nothing
+        ready = a.next_ready()
+        assert ready is not None and (ready.offset, ready.token_ids, ready.text) == (1, [2], "<2>")
+        assert a.next_ready() is None
+        assert [(p.offset, p.token_ids, p.text) for p in (await b.next(5), await b.next(5))] == [
+            (0, [5, 6], "<5><6>"),
+            (2, [7], "<7>"),
+        ]
+        assert client.stray_chunks == 2
+        for req, stream in zip(reqs, streams, strict=True):
+            rid = req.request_id
+            text = "".join(f"<{t}>" for t in ids[rid])
+            result = result_for(req).model_copy(
+                update={"output_token_ids": ids[rid], "output_text": text}
+            )
+            await send_reply(channel, result, reply_to=queue, cid=rid)
+            last = await stream.next(5)
+            assert last is not None and last.result == result
+            assert last.offset == (2 if rid == "sb-a" else 3)  # the rest, from the result
+            assert await stream.next(5) is None
+        assert client.unexpected == [] and client.duplicates == {}
+        assert dict(client.reply_counts) == {"sb-a": 1, "sb-b": 1}
 
 
 async def test_stream_raises_on_an_error_reply(

@@ -1,21 +1,30 @@
 """Per-token streams on the durable path (``stream: true``), end to end: a real coordinator and
 real sim agent processes on a private vhost. Tokens reach the producer before the result,
 each exactly once and in order, also when the agent running a request is SIGKILLed mid-stream
-and the request finishes on another agent.
+and the request finishes on another agent. And the agent's publisher alone, on a real broker:
+one message per reply queue per flush, a request's first tokens at once.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import time
 import zlib
 from pathlib import Path
 
+import aio_pika
 import pytest
+from aio_pika.abc import AbstractIncomingMessage, AbstractQueue
 
+from qlm import amqp as qlm_amqp
+from qlm.agents.engine import TokenDelta
 from qlm.agents.sim import VOCAB_SIZE, _mix64
+from qlm.agents.token_streams import TokenStreams
 from qlm.client import QlmClient, StreamPiece
+from qlm.control import Dispatch, ReplyRoute
+from qlm.streaming import decode_token_message
 from qlm.types import SLO, RequestMessage, ResultMessage
 from tests.e2e import running_cluster
 
@@ -81,6 +90,12 @@ async def test_tokens_stream_before_the_result_each_once_in_order(
         assert isinstance(plain, ResultMessage)
         assert client.stray_chunks == 0
         assert client.duplicate_count() == 0
+        # the 8 streams share this client's reply queue: the agent sent their chunks
+        # together, several to a message (one message per chunk would make these equal)
+        assert client.token_chunks >= 3 * client.token_messages, (
+            client.token_chunks,
+            client.token_messages,
+        )
     for i, (timed, result) in enumerate(runs):
         pieces = [p for _, p in timed]
         check_exactly_once(pieces, result)
@@ -126,3 +141,102 @@ async def test_agent_killed_mid_stream_no_token_repeated_or_missing(
         # tokens already delivered; they were dropped), not from the result at the end
         assert sum(len(p.token_ids) for p in pieces[:-1]) >= max_tokens - 50
     assert retried > 0, "the killed agent had streams in flight; they must have moved"
+
+
+def dispatch(rid: str, routes: list[tuple[str, str | None]]) -> Dispatch:
+    now = time.time()
+    return Dispatch(
+        dispatch_id=f"{rid}-d1",
+        instance_id="gpu0",
+        attempt=1,
+        request=streamed_request(rid, 16),
+        submitted_at=now,
+        queued_at=now,
+        dispatched_at=now,
+        reply_routes=[ReplyRoute(reply_to=q, correlation_id=c) for q, c in routes],
+    )
+
+
+async def next_message(queue: AbstractQueue, timeout: float = 5.0) -> AbstractIncomingMessage:
+    deadline = time.monotonic() + timeout
+    while (m := await queue.get(no_ack=True, fail=False)) is None:
+        assert time.monotonic() < deadline, f"nothing on {queue.name} in {timeout} s"
+        await asyncio.sleep(0.005)
+    return m
+
+
+def contents(m: AbstractIncomingMessage) -> list[tuple[str, str, int, list[int]]]:
+    """(correlation id, request id, offset, token ids) of each chunk in a message."""
+    assert m.type == "tokens" and m.delivery_mode == aio_pika.DeliveryMode.NOT_PERSISTENT
+    return [
+        (cid, c.request_id, c.offset, c.token_ids)
+        for cid, c in decode_token_message(m.body, m.correlation_id)
+    ]
+
+
+async def test_agent_sends_one_message_per_reply_queue_per_flush_first_tokens_at_once(
+    isolated_amqp_url: str,
+) -> None:
+    interval = 1.0  # long, so that a chunk that waited for the flush is told from one that did not
+    conn = await qlm_amqp.connect(isolated_amqp_url, name="test-token-streams")
+    streams = TokenStreams(flush_interval_s=interval)
+    try:
+        channel = await conn.channel()
+        gateway = await channel.declare_queue("gw", exclusive=True)  # three requests share it
+        other = await channel.declare_queue("other", exclusive=True)  # a second route of "a"
+        await streams.start(conn)
+        streams.open(dispatch("a", [("gw", "cid-a"), ("other", "cid-a2")]))
+        streams.open(dispatch("b", [("gw", "cid-b")]))
+        streams.open(dispatch("c", [("gw", None)]))  # published without a correlation id
+
+        # a's first token: out at once, and alone on each queue, so the single-chunk shape
+        t0 = time.monotonic()
+        streams.on_delta(TokenDelta("a", 0, [10], "x"))
+        m = await next_message(gateway)
+        assert time.monotonic() - t0 < interval / 2, "a first token waited for the flush"
+        assert m.correlation_id == "cid-a"
+        assert json_type(m) == "tokens" and contents(m) == [("cid-a", "a", 0, [10])]
+        assert contents(await next_message(other)) == [("cid-a2", "a", 0, [10])]
+
+        # b's and c's first tokens come with more of a's: one flush at once, one message per
+        # queue, the first chunks ahead, each chunk naming its own route
+        t0 = time.monotonic()
+        streams.on_delta(TokenDelta("a", 1, [11], "y"))
+        streams.on_delta(TokenDelta("b", 0, [20], "p"))
+        streams.on_delta(TokenDelta("c", 0, [30], "q"))
+        streams.on_delta(TokenDelta("a", 2, [12], "z"))  # follows on: the same chunk
+        m = await next_message(gateway)
+        assert time.monotonic() - t0 < interval / 2, "first tokens waited for the flush"
+        assert m.correlation_id is None and json_type(m) == "tokens_batch"
+        assert contents(m) == [
+            ("cid-b", "b", 0, [20]),
+            ("c", "c", 0, [30]),  # no correlation id: its request id routes it
+            ("cid-a", "a", 1, [11, 12]),
+        ]
+        assert contents(await next_message(other)) == [("cid-a2", "a", 1, [11, 12])]
+
+        # later tokens wait for the flush, then go out together
+        t0 = time.monotonic()
+        streams.on_delta(TokenDelta("b", 1, [21], "r"))
+        streams.on_delta(TokenDelta("a", 3, [13], "w"))
+        streams.on_delta(TokenDelta("a", 5, [15], "v"))  # a gap: a chunk of its own
+        m = await next_message(gateway)
+        assert time.monotonic() - t0 >= interval * 0.9, "later tokens did not wait to batch"
+        assert contents(m) == [
+            ("cid-a", "a", 3, [13]),  # cut when the gap came
+            ("cid-a", "a", 5, [15]),  # the rest cut at the flush, a request's in order
+            ("cid-b", "b", 1, [21]),
+        ]
+        assert contents(await next_message(other)) == [
+            ("cid-a2", "a", 3, [13]),
+            ("cid-a2", "a", 5, [15]),
+        ]
+        assert await gateway.get(no_ack=True, fail=False) is None
+        assert (streams.published, streams.messages, streams.publish_failures) == (11, 6, 0)
+    finally:
+        await streams.stop()
+        await conn.close()
+
+
+def json_type(m: AbstractIncomingMessage) -> str:
+    return str(json.loads(m.body)["type"])

@@ -1,7 +1,7 @@
 """Requests for a catalog model no live agent serves: refused `model_not_served` at once, or
 after the scale-from-zero hold; never in the grace after the coordinator becomes active (its
 agents have not all sent a heartbeat yet). The coordinator also announces what is served on
-``qlm.models`` for the gateways."""
+``qlm.models`` for the gateways, each model with the context its engines accept."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import pytest
 
 import qlm.gateway.app as gateway_app
 from qlm.agents.agent import Agent
+from qlm.agents.http import HttpEngine, HttpSettings
 from qlm.agents.sim import SimEngine
 from qlm.catalog import ModelCatalog
 from qlm.client import QlmClient
@@ -26,6 +27,7 @@ from qlm.planner import create_policy
 from qlm.store import Store
 from qlm.topology import DEAD_LETTER_QUEUE, REASON_HEADER
 from qlm.types import SLO, ErrorCode, ErrorMessage, RequestMessage, ResultMessage
+from tests.models_server import models_server
 
 pytestmark = pytest.mark.broker
 
@@ -195,6 +197,67 @@ async def test_served_models_are_announced_to_gateways(
     finally:
         await watcher.close()
         await _stop(coord, b)
+
+
+async def test_served_models_take_the_smallest_context_the_engines_report(
+    isolated_amqp_url: str, tmp_path: Path
+) -> None:
+    """An http agent's server says its context (GET /v1/models): the announced
+    max_model_len is the smallest over the live instances serving the model, never above the
+    catalog's max_context, and the catalog's again once that instance leaves."""
+
+    watcher = ServedModelsWatcher(isolated_amqp_url)
+    await watcher.start()
+    coord = await _coordinator(isolated_amqp_url, tmp_path, hold=0.0, grace=0.2)
+    sim = _agent(isolated_amqp_url, "ml-sim", ["mistral-7b", "vicuna-13b"])
+    with (
+        models_server([{"id": "mistral-7b", "max_model_len": 3000}]) as short,
+        models_server([{"id": "vicuna-13b", "max_model_len": 100_000}]) as long,
+    ):
+        agents = [
+            sim,
+            Agent(
+                isolated_amqp_url,
+                [HttpEngine("mistral-7b", short, HttpSettings(start_timeout_s=5))],
+                agent_id="ml-short",
+                engine_name="http",
+                heartbeat_interval_s=0.1,
+            ),
+            Agent(
+                isolated_amqp_url,
+                [HttpEngine("vicuna-13b", long, HttpSettings(start_timeout_s=5))],
+                agent_id="ml-long",
+                engine_name="http",
+                heartbeat_interval_s=0.1,
+            ),
+        ]
+        try:
+            for agent in agents:
+                await agent.start()
+
+            async def listed(expected: dict[str, tuple[int, int]]) -> None:
+                deadline = time.monotonic() + 10
+                while True:
+                    served = await watcher.wait(1.0)
+                    got = (
+                        {m.id: (m.max_model_len, m.instances) for m in served.models}
+                        if served is not None
+                        else None
+                    )
+                    if got == expected:
+                        return
+                    assert time.monotonic() < deadline, got
+                    await asyncio.sleep(0.05)
+
+            # mistral-7b: the short server's 3000 (catalog 8192, the sim says nothing);
+            # vicuna-13b: the catalog's 4096 (the server would take 100,000, the coordinator
+            # refuses beyond 4096)
+            await listed({"mistral-7b": (3000, 2), "vicuna-13b": (4096, 2)})
+            await agents[1].stop()
+            await listed({"mistral-7b": (8192, 1), "vicuna-13b": (4096, 2)})
+        finally:
+            await watcher.close()
+            await _stop(coord, agents[0], agents[2])
 
 
 async def test_gateway_without_a_coordinator_answers_503_on_models(

@@ -1,5 +1,6 @@
-"""`qlm agent --backend http --server MODEL=URL`: the wiring, without a server (the backend
-against a real one: tests/vllm/test_http_backend.py)."""
+"""`qlm agent --backend http --server MODEL=URL`: the wiring, without a vLLM server (the
+backend against a real one: tests/vllm/test_http_backend.py); what the backend reads from a
+server's model card, from a small real HTTP server that answers ``GET /v1/models`` alone."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typer.testing import CliRunner
 
 from qlm import cli
 from qlm.agents.http import HttpEngine, HttpSettings, make_http_engines, parse_servers
+from tests.models_server import models_server
 
 
 def _make(servers: list[str], backend: str = "http") -> list[Any]:
@@ -94,3 +96,32 @@ def test_agent_help_names_the_http_backend() -> None:
     result = CliRunner().invoke(cli.app, ["agent", "--help"])
     assert result.exit_code == 0
     assert "http" in result.output and "--server" in result.output
+
+
+@pytest.mark.parametrize(
+    ("card", "expected"),
+    [
+        ({"max_model_len": 1024}, {"llama": 1024}),  # vLLM's field: the server's context
+        ({}, {}),  # a server that does not say: nothing reported, the catalog's limit stands
+    ],
+)
+async def test_start_reads_the_context_from_the_servers_model_card(
+    card: dict[str, Any], expected: dict[str, int]
+) -> None:
+    cards = [{"id": "other", "object": "model", "max_model_len": 99}]
+    cards.append({"id": "llama", "object": "model", **card})
+    with models_server(cards) as url:
+        eng = HttpEngine("llama", url, HttpSettings(start_timeout_s=5, metrics_interval_s=0.1))
+        assert eng.max_model_len == {}  # not started: unknown
+
+        async def ignore(_: Any) -> None:
+            return None
+
+        await eng.start(ignore)
+        try:
+            assert dict(eng.max_model_len) == expected  # its own card's, not another model's
+            # the rest of the server is not there: said, not fatal
+            notes = " ".join(eng.capabilities().notes)
+            assert "GET /metrics failed" in notes and "dev endpoints are off" in notes
+        finally:
+            await eng.stop()

@@ -56,6 +56,7 @@ class _Agent:
 
     class token_streams:  # noqa: N801 - stands in for the attribute
         published = 0
+        messages = 0
         publish_failures = 0
 
     def __init__(self) -> None:

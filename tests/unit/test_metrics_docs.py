@@ -82,6 +82,7 @@ def test_agent_collector_yields_exactly_its_definitions() -> None:
 
     class Streams:
         published = 3
+        messages = 2
         publish_failures = 1
 
     agent = _NoAgent()

@@ -24,7 +24,9 @@ from referencing import Registry, Resource
 
 import qlm
 from qlm.types import (
+    MAX_TOKEN_ID,
     SLO,
+    BatchedChunk,
     ChatMessage,
     ErrorCode,
     ErrorMessage,
@@ -34,6 +36,8 @@ from qlm.types import (
     SLOOutcome,
     TaskInfo,
     Timestamps,
+    TokenBatch,
+    TokenChunk,
     Usage,
     protocol_json_schema,
 )
@@ -404,6 +408,60 @@ def test_replies_validate_against_their_definitions() -> None:
     assert not _validator("ErrorMessage").is_valid({**err.model_dump(mode="json"), "code": "x"})
 
 
+token_runs = st.fixed_dictionaries(
+    {
+        "request_id": texts(1, 40),
+        "offset": st.integers(0, 10**6),
+        "token_ids": st.lists(st.integers(0, MAX_TOKEN_ID), max_size=8),
+        "text": texts(),
+        "attempt": st.none() | st.integers(1, 50),
+    }
+)
+batched_chunks = st.builds(
+    lambda run, cid: BatchedChunk(correlation_id=cid, **run),
+    token_runs,
+    st.none() | texts(1, 40),
+)
+
+
+def _top_level_matches(doc: Any) -> list[str]:
+    """The top-level definitions (the schema's ``oneOf``) that accept ``doc``."""
+    names = ["RequestMessage", "CancelMessage", "ResultMessage", "ErrorMessage"]
+    return [n for n in [*names, "TokenChunk", "TokenBatch"] if _validator(n).is_valid(doc)]
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(token_runs, st.lists(batched_chunks, min_size=1, max_size=5))
+def test_token_messages_validate_against_their_definitions(
+    run: dict[str, Any], chunks: list[BatchedChunk]
+) -> None:
+    # what agents send: both shapes conform, and each is exactly one top-level message kind
+    single = json.loads(TokenChunk(**run).model_dump_json())
+    batch = json.loads(TokenBatch(chunks=chunks).model_dump_json())
+    assert _top_level_matches(single) == ["TokenChunk"]
+    assert _top_level_matches(batch) == ["TokenBatch"]
+
+
+def test_the_schema_refuses_malformed_token_batches() -> None:
+    batch = _validator("TokenBatch")
+    chunk = {"correlation_id": "c", "request_id": "r", "offset": 0, "token_ids": [1]}
+    assert batch.is_valid({"type": "tokens_batch", "chunks": [chunk]})
+    for bad in (
+        {"type": "tokens_batch", "chunks": []},  # nothing in it
+        {"type": "tokens", "chunks": [chunk]},  # the single chunk's type
+        {"type": "tokens_batch", "chunks": [{**chunk, "correlation_id": ""}]},
+        {
+            "type": "tokens_batch",
+            "chunks": [{k: v for k, v in chunk.items() if k != "correlation_id"}],
+        },
+        {"type": "tokens_batch", "chunks": [{**chunk, "offset": -1}]},
+        {"type": "tokens_batch", "chunks": [chunk], "correlation_id": "c"},
+    ):
+        assert not batch.is_valid(bad), bad
+        with pytest.raises(PydanticValidationError):
+            TokenBatch.model_validate(bad)
+
+
 def test_the_json_examples_in_docs_protocol_md_are_valid() -> None:
     doc = Path(qlm.__file__).parents[1] / "docs" / "protocol.md"
     blocks = re.findall(r"```json\n(.*?)```", doc.read_text(), flags=re.DOTALL)
@@ -414,6 +472,8 @@ def test_the_json_examples_in_docs_protocol_md_are_valid() -> None:
             "result": "ResultMessage",
             "error": "ErrorMessage",
             "cancel": "CancelMessage",
+            "tokens": "TokenChunk",
+            "tokens_batch": "TokenBatch",
         }.get(message.get("type"), "RequestMessage")
         _validator(kind).validate(message)
         kinds[kind] += 1
@@ -422,4 +482,6 @@ def test_the_json_examples_in_docs_protocol_md_are_valid() -> None:
         "ResultMessage": 1,
         "ErrorMessage": 1,
         "CancelMessage": 1,
+        "TokenChunk": 1,
+        "TokenBatch": 1,
     }

@@ -212,6 +212,8 @@ async def test_priority_orders_what_waits_inside_vllm(engine: tuple[VllmEngine, 
 async def test_stats_and_wants_follow_the_engine(engine: tuple[VllmEngine, Outputs]) -> None:
     eng, outputs = engine
     assert eng.wants() == 2 and eng.kv_capacity_tokens > 0
+    # the context from the running engine's config (the broken model never ran: not listed)
+    assert dict(eng.max_model_len) == {MODEL: MAX_MODEL_LEN}
     grown: list[int] = []
     eng.set_capacity_listener(lambda: grown.append(eng.wants()))
     for i in range(3):
@@ -377,6 +379,7 @@ async def test_whole_path_with_eviction_and_exact_resume_on_vllm(
             assert info.engine == "vllm" and info.capabilities["exact_resume"]
             assert info.capabilities["sleep_mode"] is False and info.capability_notes
             assert info.kv_capacity_tokens == eng.kv_capacity_tokens > 0
+            assert info.max_model_len == {MODEL: 2048}  # the engine's, carried to the coordinator
             whole = await client.request(request("whole"), timeout=120)
             assert isinstance(whole, ResultMessage) and len(whole.output_token_ids) == 1000
             # The eviction races the request's own end (~1 s of tokens on this CPU, with the
