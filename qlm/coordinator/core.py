@@ -646,6 +646,9 @@ class CoordinatorCore:
                     last_seen=now,
                     credit=status.credit_outstanding,
                     dispatches_sent=status.dispatches_received or 0,
+                    # a coordinator that took over: the agent still applies the cap the last
+                    # one sent, which this one must lift or change like one it sent itself
+                    cap_sent=status.max_in_engine,
                 )
                 self.instances[iid] = inst
                 new.append(iid)
@@ -1029,14 +1032,15 @@ class CoordinatorCore:
         it changed. An instance the plan says nothing of keeps what it was sent; a policy that
         makes no LSO decisions sends none."""
         orders: list[BatchCapOrder] = []
-        if not self.lso.batch_cap:
-            return orders
-        for iid, decision in plan.lso.items():
+        wanted = {iid: d.max_in_engine for iid, d in plan.lso.items()}
+        if not self.lso.batch_cap:  # off: lift any cap an agent still applies (from before)
+            wanted = {iid: None for iid, i in self.instances.items() if i.cap_sent is not None}
+        for iid, cap in wanted.items():
             inst = self.instances.get(iid)
-            if inst is None or inst.status != "alive" or decision.max_in_engine == inst.cap_sent:
+            if inst is None or inst.status != "alive" or cap == inst.cap_sent:
                 continue
-            inst.cap_sent = decision.max_in_engine
-            orders.append(BatchCapOrder(iid, inst.info.agent_id, decision.max_in_engine))
+            inst.cap_sent = cap
+            orders.append(BatchCapOrder(iid, inst.info.agent_id, cap))
         return orders
 
     def check_liveness(self, now: float) -> list[tuple[str, list[TrackedRequest]]]:

@@ -69,9 +69,27 @@ def test_a_cap_is_sent_when_it_changes_and_again_to_a_restarted_agent() -> None:
     assert order.max_in_engine == 32
 
 
-def test_no_cap_orders_with_the_lso_off() -> None:
+def test_a_new_coordinator_lifts_the_cap_an_agent_still_applies() -> None:
+    """A coordinator that took over learns the agent's cap from its heartbeat: a plan
+    without a cap lifts it (it would otherwise stay, since nothing was 'sent')."""
+    core = CoordinatorCore(create_policy("edf"))
+    hb = heartbeat("a")
+    hb.instances[0].max_in_engine = 48
+    core.on_heartbeat(hb, 0.0)
+    (order,) = core.cap_orders(_plan(None))
+    assert order.max_in_engine is None
+    assert core.cap_orders(_plan(48)) != []  # and a plan that wants it back says so
+
+
+def test_no_cap_orders_with_the_lso_off_but_a_cap_from_before_is_lifted() -> None:
     core = CoordinatorCore(create_policy("edf"), lso=LSOSettings(batch_cap=False))
     core.on_heartbeat(heartbeat("a"), 0.0)
+    assert core.cap_orders(_plan(64)) == []
+    hb = heartbeat("b")
+    hb.instances[0].max_in_engine = 32  # set by a coordinator that had the LSO on
+    core.on_heartbeat(hb, 0.0)
+    (order,) = core.cap_orders(_plan(64))
+    assert (order.instance_id, order.max_in_engine) == ("b-gpu0", None)
     assert core.cap_orders(_plan(64)) == []
 
 
