@@ -494,6 +494,47 @@ class QLMPolicy(QueuePolicy):
         rel, planned_at = self._last_detail
         return {rid: planned_at + c for rid, c in rel.items()}
 
+    def dispatch_estimate(
+        self, request: PlanRequest, instance: PlanInstance, now: float
+    ) -> float | None:
+        """§6 with what is known at dispatch. Its wait in the queue is over; what is left is a
+        drain and a load when another model is resident, then its own prefill and decode at
+        the length model's mean (eqs. 1, 4) in the batch the instance runs now:
+        ``instance.running`` sequences (this one included; at most its batch cap). The others
+        hold the context the last plan priced a batch at and are replaced as they finish, their
+        successors' prompts prefilled beside it (that plan's prompt ratio); this one holds its
+        own prompt and half its predicted output. Alone on an instance, this is its solo time:
+        its prefill and its decode at batch 1.
+
+        The mix is the last plan's, not the completions' of this moment: right after a burst
+        the first to finish are the shortest answers, whose prompt ratio (150 once, on the rct
+        static queue) prices a prefill beside every decode step for the whole batch."""
+        model = request.model
+        prompt = float(request.prompt_tokens)
+        mean, var = self.estimator.lengths.predict(
+            model,
+            request.slo_class,
+            np.array([max(request.max_tokens, 1)], dtype=np.float64),
+            prompt_tokens=np.array([prompt]),
+        )
+        out_mean, out_var = float(mean[0]), float(var[0])
+        resident = instance.active_model in (None, model)
+        batch = max(instance.running, 1) if resident else 1
+        if instance.max_in_engine is not None:
+            batch = min(batch, instance.max_in_engine)
+        mix_ctx, mix_ratio = self._ctx.get(model, (1024.0, 0.0))
+        others = (batch - 1) / batch
+        ctx = others * mix_ctx + (prompt + out_mean / 2) / batch
+        hw = self._hw(instance, model, ctx, others * mix_ratio, batch=batch)
+        wait = 0.0
+        if not resident:  # the resident model's batch drains first (strict FCFS), then a load
+            _, drain, _ = self._running(instance, -1, {}, {}, [], now)
+            wait = drain + self._switch(instance, hw, model)
+        left = self.estimator.estimate_dispatched(
+            hw, prompt_tokens=prompt, out_mean=out_mean, out_var=out_var, wait_s=wait
+        )
+        return now + left.mean
+
     def wants_replan(self, now: float) -> bool:
         if self._planned_at is None:
             return self._arrivals_since_plan > 0

@@ -523,3 +523,19 @@ class RCTEstimator:
         _, _, own_mean, own_var = self.group_moments(hw, n, prompt_sum, out_mean_sum, out_var_sum)
         c = TimeDistribution(w.mean + own_mean, w.var + own_var)
         return GroupEstimate(w, c, {q: c.quantile(q) for q in quantiles})
+
+    def estimate_dispatched(
+        self,
+        hw: HardwareProfile,
+        *,
+        prompt_tokens: float,
+        out_mean: float,
+        out_var: float,
+        wait_s: float = 0.0,
+    ) -> TimeDistribution:
+        """What is left of a request's completion time once it is handed to an engine
+        (eq. 1): ``wait_s`` still ahead of it there (e.g. another model's batch to drain and
+        a load), then its own prefill and decode (eq. 4) in the batch ``hw`` was taken at.
+        What it waited in the queue is a fact by then, so eq. 2 prices nothing."""
+        _, _, own_mean, own_var = self.group_moments(hw, 1, prompt_tokens, out_mean, out_var)
+        return TimeDistribution(wait_s + own_mean, own_var)

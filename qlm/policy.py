@@ -241,6 +241,16 @@ class QueuePolicy(ABC):
         simulated completions. Empty for policies that make no estimate."""
         return {}
 
+    def dispatch_estimate(
+        self, request: PlanRequest, instance: PlanInstance, now: float
+    ) -> float | None:
+        """The policy's estimate of when ``request`` completes (absolute time, the clock of
+        ``now``), made at ``now`` as it is handed to ``instance``. Its wait so far is then a
+        fact, and the estimate prices only what is left, at the batch ``instance`` runs
+        (``instance.running`` counts this request). The ``rct`` scenario checks it against the
+        simulated completion. None for policies that make no estimate."""
+        return None
+
     def observe_completion(self, obs: CompletionObservation) -> None:
         """A request finished with ``obs.output_tokens`` tokens: policies that profile the workload
         learn from it (the stochastic planner's output-length model; with the per-request

@@ -14,7 +14,13 @@ from typing import Any
 import yaml
 
 from qlm.tooling.simulator.presets import PRESETS, Preset
-from qlm.tooling.simulator.report import aggregate_seeds, render_console_table, write_outputs
+from qlm.tooling.simulator.report import (
+    aggregate_seeds,
+    render_console_table,
+    scatter_line,
+    scatters,
+    write_outputs,
+)
 from qlm.tooling.simulator.runner import PolicyFactory, PolicyVariant, r_squared, run_scenario
 from qlm.tooling.simulator.scenario import ScenarioSpec, load_scenario
 from qlm.tooling.simulator.targets import evaluate
@@ -92,8 +98,8 @@ def run_sim_bench(
     for check in summary.get("checks", []):
         echo(f"[{'met ' if check['met'] else 'MISS'}] {check['target']}: {check['measured']}")
     echo(f"wall {wall:.1f} s, peak RSS {peak_mb:.0f} MB")
-    if "scatter" in summary:
-        echo(f"RCT estimate vs simulated completion: R^2 = {summary['scatter']['r2']:.3f}")
+    for scatter in scatters(summary):
+        echo(scatter_line(scatter))
     if out_dir is not None or json_path is not None:
         for path in write_outputs(summary, out_dir, json_path):
             echo(f"wrote {path}")
@@ -105,17 +111,28 @@ def _tag_progress(progress: Callable[[str, float], None], tag: str) -> Callable[
 
 
 def _combine(summaries: list[dict[str, Any]], seeds: list[int]) -> dict[str, Any]:
-    """The seeds' summaries as one: metrics averaged; the RCT scatter pooled over seeds;
+    """The seeds' summaries as one: metrics averaged; each RCT scatter pooled over seeds;
     SABER's speed fits those of the first seed."""
     summary = aggregate_seeds(summaries, seeds)
-    scatters = [s["scatter"] for s in summaries if "scatter" in s]
-    if scatters:
-        pooled = dict(scatters[0])
-        pooled["x"] = [x for sc in scatters for x in sc["x"]]
-        pooled["y"] = [y for sc in scatters for y in sc["y"]]
-        pooled["r2"] = r_squared(pooled["x"], pooled["y"])
-        summary["scatter"] = pooled
+    heads = [s["scatter"] for s in summaries if "scatter" in s]
+    if heads:
+        summary["scatter"] = _pooled(heads)
+    named: dict[str, list[dict[str, Any]]] = {}
+    for s in summaries:
+        for sc in s.get("scatters", []):
+            named.setdefault(sc["name"], []).append(sc)
+    if named:
+        summary["scatters"] = [_pooled(group) for group in named.values()]
     return summary
+
+
+def _pooled(scatters: list[dict[str, Any]]) -> dict[str, Any]:
+    """One scatter of several seeds' points, its R² over all of them."""
+    pooled = dict(scatters[0])
+    pooled["x"] = [x for sc in scatters for x in sc["x"]]
+    pooled["y"] = [y for sc in scatters for y in sc["y"]]
+    pooled["r2"] = r_squared(pooled["x"], pooled["y"])
+    return pooled
 
 
 class _ProgressBar:

@@ -109,6 +109,22 @@ BAD: list[tuple[str, Callable[[dict[str, Any]], None], str]] = [
         "neither a shipped trace",
     ),
     ("streams.0.arrival.trace", _set("streams.0.arrival.trace", "conv"), "only for process"),
+    (
+        "streams.0.arrival.count",
+        _set("streams.0.arrival", {"process": "burst"}),
+        "required for a burst",
+    ),
+    (
+        "streams.0.arrival.rate_rps",
+        _set("streams.0.arrival", {"process": "burst", "count": 5, "rate_rps": 2.0}),
+        "a burst has no rate",
+    ),
+    ("streams.0.arrival.count", _set("streams.0.arrival.count", 5), "only for process 'burst'"),
+    (
+        "streams.0.arrival.count",
+        _set("streams.0.arrival", {"process": "burst", "count": 0}),
+        "greater than or equal to 1",
+    ),
     ("streams.0.arrival.start_s", _set("streams.0.arrival.start_s", -1), "greater than or equal"),
     ("streams.0.lengths.source", _set("streams.0.lengths.source", "trace"), "needs trace arrivals"),
     (

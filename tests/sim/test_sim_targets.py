@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from qlm.tooling.simulator.targets import evaluate
+from qlm.tooling.simulator.targets import check_rct, evaluate
 
 
 def test_wb_targets_of_issue_17():
@@ -76,3 +76,30 @@ def test_scale_and_rct():
     other = {"scenario": "trace", "policies": {}}
     evaluate(other)
     assert "checks" not in other
+
+
+def test_rct_judges_the_estimates_made_at_dispatch_not_the_plans() -> None:
+    def rct(at_dispatch: float, plan: float) -> dict:
+        return {
+            "scenario": "rct",
+            "policies": {},
+            "scatter": {"estimate": "dispatch", "x": [1.0] * 30, "r2": at_dispatch},
+            "scatters": [
+                {"name": "plan 12 req/s", "estimate": "plan", "x": [1.0] * 20, "r2": plan},
+                {"name": "plan static queue", "estimate": "plan", "x": [1.0], "r2": plan},
+            ],
+        }
+
+    missed = rct(at_dispatch=0.80, plan=0.99)
+    evaluate(missed)
+    ((target, measured, met),) = check_rct(missed)
+    assert not met and "at dispatch" in target and measured == "R^2 = 0.800 over 30 requests"
+    assert missed["misses"] == [f"{target}: {measured}"]
+    passed = rct(at_dispatch=0.96, plan=0.10)
+    evaluate(passed)
+    assert passed["misses"] == [] and [c["met"] for c in passed["checks"]] == [True]
+    nothing = {"scenario": "rct", "policies": {}, "scatters": rct(0.99, 0.99)["scatters"]}
+    evaluate(nothing)
+    assert nothing["misses"] == [
+        "R^2 >= 0.95, estimated at dispatch vs simulated completion time: no estimates"
+    ]

@@ -80,6 +80,13 @@ def test_gamma_cv_and_rate(cv: float) -> None:
     assert len(times) / 2000.0 == pytest.approx(100.0, rel=0.05)
 
 
+def test_a_burst_arrives_at_once_at_the_window_start() -> None:
+    spec = ArrivalSpec(process="burst", count=7)
+    rng = np.random.default_rng(0)
+    assert arrival_times(spec, 30.0, 60.0, rng).tolist() == [30.0] * 7
+    assert arrival_times(spec, 60.0, 60.0, rng).tolist() == []  # an empty window: none
+
+
 def test_arrivals_are_reproducible_from_the_generator() -> None:
     spec = ArrivalSpec(process="gamma", rate_rps=5.0, cv=2.0)
     a = arrival_times(spec, 0, 100, np.random.default_rng(7))

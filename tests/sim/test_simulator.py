@@ -15,6 +15,7 @@ from qlm.admission import SLOAdmissionGate, required_speed
 from qlm.engine_model import get_profile
 from qlm.planner import create_policy
 from qlm.planner.baselines import EDFPolicy
+from qlm.planner.stochastic import QLMPolicy
 from qlm.policy import InstanceLSO
 from qlm.tooling.simulator.cluster import ClusterSimulator, InstanceSpec, LSOSwitches, SimConfig
 from qlm.tooling.simulator.instance import SimInstance, SimJob
@@ -303,6 +304,36 @@ def test_slo_gate_rules():
 def test_r_squared():
     assert r_squared([1, 2, 3], [1, 2, 3]) == 1.0
     assert r_squared([2, 2, 2], [1, 2, 3]) == pytest.approx(0.0)
+
+
+def test_one_estimate_is_recorded_per_dispatched_request_and_changes_nothing(monkeypatch):
+    """With record_estimates the simulator asks the policy once per dispatch, with the core's
+    view of the instance (this request counted in ``running``), and keeps what it answered;
+    without it the policy is never asked. Either way every request runs the same."""
+    reqs = random_workload(150, 12.0, ["mistral-7b"], seed=5)
+    asked: dict[str, list[tuple[int, float]]] = {}
+    real = QLMPolicy.dispatch_estimate
+
+    def spy(self, request, instance, now):
+        t = real(self, request, instance, now)
+        asked.setdefault(request.request_id, []).append((instance.running, t))
+        return t
+
+    monkeypatch.setattr(QLMPolicy, "dispatch_estimate", spy)
+    plain = run(reqs, instances(2), "qlm")
+    assert asked == {}
+    recorded = run(reqs, instances(2), "qlm", record_estimates=True)
+    assert [(o.first_token_s, o.finished_s) for o in recorded.outcomes] == [
+        (o.first_token_s, o.finished_s) for o in plain.outcomes
+    ]
+    assert all(o.dispatch_estimated_finish_s is None for o in plain.outcomes)
+    assert set(asked) == {r.request_id for r in reqs}  # every one dispatched, once
+    assert all(len(calls) == 1 for calls in asked.values())
+    for o in recorded.outcomes:
+        ((running, t),) = asked[o.request_id]
+        assert running >= 1 and o.dispatch_estimated_finish_s == t
+    # the first plan comes after the first dispatches: those have no plan estimate
+    assert any(o.estimated_finish_s is None for o in recorded.outcomes)
 
 
 # ---------------------------------------------------------------------------- no queue manager

@@ -19,6 +19,9 @@ from qlm.estimator import (
     max_normal_moments,
     max_normal_quantile,
 )
+from qlm.planner.baselines import EDFPolicy
+from qlm.planner.stochastic import QLMPolicy
+from qlm.policy import PlanInstance, PlanRequest
 
 HW = hardware_profile("A100-80GB", "mistral-7b", 400_000, 256, 512)
 
@@ -188,3 +191,77 @@ def test_the_history_stays_sorted_without_resorting() -> None:
             np.testing.assert_allclose(got[1], want[1], atol=1e-6)
     bound = model.upper_bound("m", None, caps, 0.9)
     assert (bound <= caps).all() and bound[2] > model.predict("m", None, caps)[0][2]
+
+
+# ------------------------------------------------------------------ estimates at dispatch
+A100, MISTRAL = "A100-80GB", "mistral-7b"
+
+
+def _instance(running: int, active: str | None = MISTRAL, **kw: object) -> PlanInstance:
+    ep = get_profile(A100, MISTRAL)
+    return PlanInstance(
+        "i0",
+        (MISTRAL, "vicuna-13b"),
+        A100,
+        ep.kv_capacity_tokens,
+        ep.max_batch_size,
+        active_model=active,
+        running=running,
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+def test_estimate_dispatched_hand_calculation() -> None:
+    """Eq. 1 with what is left at dispatch: the wait still ahead + P + μ·ε·d; variance
+    (ε·d)²·σ² (the wait is known)."""
+    got = RCTEstimator().estimate_dispatched(
+        HW, prompt_tokens=200, out_mean=100, out_var=400, wait_s=3.0
+    )
+    assert got.mean == pytest.approx(3.0 + HW.prefill_s(200) + 100 * HW.token_time_s)
+    assert got.var == pytest.approx(HW.token_time_s**2 * 400)
+
+
+@pytest.mark.parametrize(("prompt", "max_tokens"), [(64, 1024), (500, 256), (2000, 400)])
+def test_at_dispatch_alone_it_is_the_engine_models_solo_time(prompt: int, max_tokens: int) -> None:
+    """Alone on an instance (the core counts it in ``running``), the estimate is the engine
+    model's time for its prompt and predicted output at batch 1, to 2 %: the profile's
+    prefill is the affine fit through 1 token and a full chunk, and eq. 4 counts the first
+    token (the prefill's) as a decode step too."""
+    policy = QLMPolicy()
+    lengths = policy.estimator.lengths
+    predicted = lengths.predict(MISTRAL, "batch", np.array([float(max_tokens)]))[0][0]
+    assert predicted == max_tokens  # the default prior: the cap the client allowed
+    request = PlanRequest("r", MISTRAL, prompt, max_tokens, 40.0, 400.0, None, slo_class="batch")
+    ep = get_profile(A100, MISTRAL)
+    solo = ep.prefill_time(prompt) + ep.decode_segment_time(1, prompt + 1, max_tokens - 1)
+    at = policy.dispatch_estimate(request, _instance(running=1), now=50.0)
+    assert at is not None
+    assert at - 50.0 == pytest.approx(solo, rel=0.02)
+    # the queue wait before dispatch is a fact: later dispatch, later completion, same rest
+    later = policy.dispatch_estimate(request, _instance(running=1), now=80.0)
+    assert later == pytest.approx(at + 30.0)
+
+
+def test_at_dispatch_a_busy_instance_decodes_slower_and_another_model_drains_first() -> None:
+    policy = QLMPolicy()
+    request = PlanRequest("r", MISTRAL, 500, 256, 0.0, 400.0, None, slo_class="batch")
+    alone = policy.dispatch_estimate(request, _instance(running=1), now=0.0)
+    busy = policy.dispatch_estimate(request, _instance(running=150), now=0.0)
+    capped = policy.dispatch_estimate(request, _instance(running=150, max_in_engine=8), now=0.0)
+    other = policy.dispatch_estimate(request, _instance(running=4, active="vicuna-13b"), now=0.0)
+    assert alone is not None and busy is not None and capped is not None and other is not None
+    ep = get_profile(A100, MISTRAL)
+    # it decodes in a batch of 150: 149 sequences of the mix (before any plan or completion:
+    # 1,024 tokens of context, no prompts interleaved) and itself (its prompt + half its output)
+    ctx = (149 * 1024 + 500 + 128) / 150
+    in_batch = ep.prefill_time(500) + 256 * ep.decode_iteration_time(150, round(ctx))
+    assert busy == pytest.approx(in_batch, rel=0.02)
+    assert busy > 2 * alone
+    assert alone < capped < busy  # the batch cap bounds the batch it decodes in
+    # vicuna's 4 requests finish, then mistral loads from host memory, then it runs alone
+    assert other > alone + ep.load_time_from_cpu()
+
+
+def test_policies_without_an_estimator_make_no_estimate_at_dispatch() -> None:
+    request = PlanRequest("r", MISTRAL, 500, 256, 0.0, 400.0, None)
+    assert EDFPolicy().dispatch_estimate(request, _instance(running=1), now=0.0) is None

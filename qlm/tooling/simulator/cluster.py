@@ -55,7 +55,7 @@ from qlm.control import Completion, Evicted, Heartbeat, InstanceInfo, InstanceSt
 from qlm.coordinator.core import CoordinatorCore, LSOSettings
 from qlm.coordinator.outcome import task_met
 from qlm.engine_model import EngineProfile, get_profile
-from qlm.policy import Plan, QueuePolicy
+from qlm.policy import Plan, PlanRequest, QueuePolicy
 from qlm.service_gain import service_gain
 from qlm.tooling.simulator.instance import SimInstance, SimJob
 from qlm.tooling.simulator.workload import SimRequest
@@ -103,7 +103,9 @@ class SimConfig:
     static_batch: int | None = None  # SHEPHERD: fixed batches, no continuous batching
     # the ``vllm`` baseline: every request to an engine at arrival (no queue manager)
     dispatch_at_arrival: bool = False
-    record_estimates: bool = False  # keep the policy's predicted completion times
+    # keep the policy's predicted completion times: its last plan's before a request was
+    # dispatched, and its estimate at the dispatch (QueuePolicy.dispatch_estimate)
+    record_estimates: bool = False
     max_decode_run: int | None = None  # cap on iterations per decode jump (tests: 1)
     # the SLO-aware pull: "qlm" (qlm's LSO) uses the engine model for the instance's current
     # mix as f(L) and pulls requests that cannot make their deadline in plan order while they
@@ -131,7 +133,8 @@ class RequestOutcome:
     met: bool
     evictions: int
     preemptions: int
-    estimated_finish_s: float | None = None
+    estimated_finish_s: float | None = None  # the last plan's before it was dispatched
+    dispatch_estimated_finish_s: float | None = None  # the policy's, at its (last) dispatch
     service_gain: float = 0.0  # Tempo's effective service gain (qlm.service_gain)
     program_id: str | None = None  # the task chain or collective program it is a call of
 
@@ -422,6 +425,7 @@ class ClusterSimulator:
         self._last_replan = -math.inf
         self._plan_pending = False
         self._estimates: dict[str, float] = {}
+        self._dispatch_estimates: dict[str, float] = {}
         self.events = 0
 
     def _make_instance(self, spec: InstanceSpec) -> SimInstance:
@@ -652,6 +656,8 @@ class ClusterSimulator:
             job = self.jobs[order.tracked.request_id]
             job.view = order.tracked.plan_view  # an evicted request's: its resume
             job.dispatch_id = order.dispatch_id
+            if self.config.record_estimates:
+                self._estimate_at_dispatch(order.tracked.plan_view, order.instance_id)
             batch = delivered.setdefault(order.instance_id, [])
             self.agents[order.instance_id].on_dispatch(job, batch.append)
         for iid, batch in delivered.items():
@@ -667,6 +673,15 @@ class ClusterSimulator:
                 agent.admit(inst.wants, batch.append, self.now)
                 if batch:
                     inst.enqueue(batch, self.now)
+
+    def _estimate_at_dispatch(self, request: PlanRequest, iid: str) -> None:
+        """The policy's estimate as the request is handed over, from the coordinator's view of
+        the instance (its running count has every request of this dispatch round in it). A
+        request dispatched again after an eviction keeps the later estimate."""
+        view = self.core.instances[iid].plan_view()
+        t = self.policy.dispatch_estimate(request, view, self.now)
+        if t is not None:
+            self._dispatch_estimates[request.request_id] = t
 
     def _speed(self, iid: str, model: str) -> Callable[[int], float]:
         return self.config.speed_models[iid][model]
@@ -913,6 +928,7 @@ class ClusterSimulator:
                     evictions=job.evictions,
                     preemptions=job.preemptions,
                     estimated_finish_s=self._estimates.get(req.request_id),
+                    dispatch_estimated_finish_s=self._dispatch_estimates.get(req.request_id),
                     # a call of a task already late when it arrived has no time to be on:
                     # it gains nothing
                     service_gain=0.0

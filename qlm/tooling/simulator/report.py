@@ -7,7 +7,12 @@ The summary (built by :func:`qlm.tooling.simulator.runner.run_scenario`) is a JS
      "sweep": None | {"parameter": str, "label": str, "values": [...], "variants": [str, ...]},
      "policies": {name: {metric: value, "slo_attainment_by_class": {class: value}}},
      "scatter": {"title", "x_label", "y_label", "x": [...], "y": [...], "r2"},   # optional
+     "scatters": [{"name", "point", "estimate", ...as "scatter"}, ...],         # optional
      "misses": [str, ...]}                                                     # optional
+
+``"scatter"`` is the ``rct`` target's figure: the estimates made at dispatch against the
+simulated completions, at the first sweep point; ``"scatters"`` the other estimates of the run
+(the last plan's before dispatch, and those at the other points), each with its R².
 
 ``"hindsight"`` (qlm/tooling/simulator/hindsight.py) holds the upper bound on attainment at each
 point:
@@ -36,6 +41,7 @@ import os
 import re
 import shutil
 import tempfile
+import textwrap
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -121,15 +127,36 @@ def _check_length(value: Any, n: int, where: str) -> None:
 
 
 def _validate_scatter(summary: Mapping[str, Any]) -> None:
-    scatter = summary.get("scatter")
-    if scatter is None:
-        return
-    if not isinstance(scatter, Mapping) or not (
-        _is_list(scatter.get("x")) and _is_list(scatter.get("y"))
-    ):
-        raise ValueError("summary['scatter'] needs lists 'x' and 'y'")
-    if len(scatter["x"]) != len(scatter["y"]):
-        raise ValueError("summary['scatter']['x'] and ['y'] differ in length")
+    extra = summary.get("scatters")
+    if extra is not None and not _is_list(extra):
+        raise ValueError("summary['scatters'] must be a list of scatters")
+    named = [("summary['scatter']", summary.get("scatter"))]
+    named += [(f"summary['scatters'][{k}]", sc) for k, sc in enumerate(extra or ())]
+    for where, scatter in named:
+        if scatter is None:
+            continue
+        if not isinstance(scatter, Mapping) or not (
+            _is_list(scatter.get("x")) and _is_list(scatter.get("y"))
+        ):
+            raise ValueError(f"{where} needs lists 'x' and 'y'")
+        if len(scatter["x"]) != len(scatter["y"]):
+            raise ValueError(f"{where}['x'] and ['y'] differ in length")
+
+
+def scatters(summary: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    """The summary's scatters: ``scatter`` (the target's), then ``scatters``."""
+    out = [summary["scatter"]] if isinstance(summary.get("scatter"), Mapping) else []
+    extra = summary.get("scatters")
+    if isinstance(extra, list | tuple):
+        out += [sc for sc in extra if isinstance(sc, Mapping)]
+    return out
+
+
+def scatter_line(scatter: Mapping[str, Any]) -> str:
+    """``title: R² = 0.951 over 7,169 requests``."""
+    n = len(scatter["x"]) if _is_list(scatter.get("x")) else 0
+    title = scatter.get("title") or "scatter"
+    return f"{title}: R² = {_r2_text(scatter.get('r2'))} over {n:,} requests"
 
 
 def _is_list(value: Any) -> bool:
@@ -545,9 +572,7 @@ def results_markdown(summary: Mapping[str, Any], plots: Sequence[str] = ()) -> s
         )
     if isinstance(summary.get("targets"), str):
         lines.append(f"- targets: {summary['targets']}")
-    scatter = summary.get("scatter")
-    if isinstance(scatter, Mapping):
-        lines.append(f"- {scatter.get('title') or 'scatter'}: R² = {_r2_text(scatter.get('r2'))}")
+    lines += [f"- {scatter_line(sc)}" for sc in scatters(summary)]
     run = summary.get("run")
     if isinstance(run, Mapping):
         lines.append("- run: " + ", ".join(f"{k} = {v}" for k, v in run.items()))
@@ -774,10 +799,11 @@ def _r2_text(r2: Any) -> str:
     return MISSING if x is None else f"{x:.3f}"
 
 
-def _scatter_plot(summary: Mapping[str, Any], dest: Path) -> Path:
-    scatter = summary["scatter"]
+def _scatter_plot(summary: Mapping[str, Any], scatter: Mapping[str, Any], path: Path) -> Path:
     title = scatter.get("title") or "scatter"
-    figure, axes = _new_axes(f"{_plot_name(summary)}: {title} (R² = {_r2_text(scatter.get('r2'))})")
+    # the titles name the estimate and the point: wrapped, or they run off a 6-inch figure
+    full = f"{_plot_name(summary)}: {title} (R² = {_r2_text(scatter.get('r2'))})"
+    figure, axes = _new_axes(textwrap.fill(full, 60))
     xs = _series(scatter["x"], 0)
     ys = _series(scatter["y"], 0)
     axes.scatter(xs, ys, s=6, alpha=0.5, color=PALETTE[0], label="requests")
@@ -789,7 +815,7 @@ def _scatter_plot(summary: Mapping[str, Any], dest: Path) -> Path:
     axes.set_ylabel(str(scatter.get("y_label") or "y"))
     axes.grid(True, alpha=0.3)
     axes.legend()
-    return _save_figure(figure, dest / "scatter.png")
+    return _save_figure(figure, path)
 
 
 def render_plots(summary: Mapping[str, Any], dest: Path) -> list[Path]:
@@ -800,7 +826,12 @@ def render_plots(summary: Mapping[str, Any], dest: Path) -> list[Path]:
     else:
         paths = _bar_plots(summary, dest)
     if summary.get("scatter") is not None:
-        paths.append(_scatter_plot(summary, dest))
+        paths.append(_scatter_plot(summary, summary["scatter"], dest / "scatter.png"))
+    extra = summary.get("scatters") or []
+    stems = _file_stems([str(sc.get("name") or k) for k, sc in enumerate(extra)])
+    for k, sc in enumerate(extra):
+        stem = stems[str(sc.get("name") or k)]
+        paths.append(_scatter_plot(summary, sc, dest / f"scatter-{stem}.png"))
     return paths
 
 

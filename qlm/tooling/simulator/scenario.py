@@ -119,17 +119,26 @@ class PoolSpec(_Strict):
 
 
 class ArrivalSpec(_Strict):
-    process: Literal["poisson", "gamma", "trace"]
+    # burst: ``count`` requests at once, at the stream's start_s (a static queue)
+    process: Literal["poisson", "gamma", "trace", "burst"]
     # poisson/gamma: the mean rate. trace: optional target mean rate (timestamps are scaled).
     rate_rps: float | None = Field(default=None, gt=0)
     cv: float = Field(default=1.0, gt=0)  # gamma: coefficient of variation of the gaps
     trace: str | None = None  # trace: "conv" | "code" (shipped Azure traces) or a CSV path
     start_s: float = Field(default=0.0, ge=0)  # trace: offset into the trace
+    count: int | None = Field(default=None, ge=1)  # burst: how many requests
 
     @model_validator(mode="after")
     def _process_fields(self) -> Self:
         if self.process in ("poisson", "gamma") and self.rate_rps is None:
             raise _field_error("rate_rps", f"required for a {self.process} process")
+        burst = self.process == "burst"
+        if burst and self.count is None:
+            raise _field_error("count", "required for a burst")
+        if not burst and self.count is not None:
+            raise _field_error("count", f"only for process 'burst', not {self.process!r}")
+        if burst and self.rate_rps is not None:
+            raise _field_error("rate_rps", "a burst has no rate: give its count")
         if self.process == "trace":
             if self.trace is None:
                 raise _field_error(

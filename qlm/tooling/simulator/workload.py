@@ -194,10 +194,14 @@ def arrival_times(
 
     poisson: exponential gaps; gamma: gamma gaps with mean 1/rate and the given cv;
     trace: the trace's timestamps relative to its first row (from ``spec.start_s`` into it),
-    scaled so their mean rate is ``rate_rps`` if given, shifted to begin at ``start_s``.
+    scaled so their mean rate is ``rate_rps`` if given, shifted to begin at ``start_s``;
+    burst: ``count`` arrivals at ``start_s``.
     """
     if spec.process == "trace":
         return _trace_window(spec, start_s, end_s)[0]
+    if spec.process == "burst":
+        assert spec.count is not None  # the scenario validates it
+        return np.full(spec.count if start_s < end_s else 0, start_s)
     sampler = _GapSampler(spec, rng)
     cv = 1.0 if spec.process == "poisson" else spec.cv
     return _renewal_times(sampler, sampler.rate, start_s, end_s, cv)
