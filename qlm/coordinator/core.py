@@ -22,7 +22,7 @@ import heapq
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -133,13 +133,20 @@ class InstanceState:
         return self.info.instance_id
 
     def plan_view(self) -> PlanInstance:
-        # the objects themselves (not their ids, which a later object may reuse)
-        key = (len(self.running), self.status, self.last_status, self.info)
+        # the objects themselves (not their ids, which a later object may reuse), compared
+        # field by field: this runs once per instance per arrival
         cached = self._view
-        if cached is not None and cached[0] == key:
-            return cached[1]
+        if cached is not None:
+            key = cached[0]
+            if (
+                key[0] == len(self.running)
+                and key[1] == self.status
+                and key[2] is self.last_status
+                and key[3] is self.info
+            ):
+                return cached[1]
         view = self._build_view()
-        self._view = (key, view)
+        self._view = ((len(self.running), self.status, self.last_status, self.info), view)
         return view
 
     def _build_view(self) -> PlanInstance:
@@ -187,6 +194,30 @@ class ModelStateOrder:
     instance_id: str
     agent_id: str
     states: dict[str, str]  # model -> "active" | "warm" | "cold"
+
+
+class _QueuedLoad(Mapping[str, float]):
+    """The queued work of each alive instance, read through to the instances (what a policy's
+    ``place`` gets as ``load``): a dict built per arrival cost O(instances) for the reads of
+    the few instances a policy looks at."""
+
+    __slots__ = ("_by_id",)
+
+    def __init__(self, live: list[InstanceState]) -> None:
+        self._by_id = {i.instance_id: i for i in live}
+
+    def __getitem__(self, instance_id: str) -> float:
+        return self._by_id[instance_id].queued_tokens
+
+    def get(self, instance_id: str, default: Any = None) -> Any:
+        inst = self._by_id.get(instance_id)
+        return default if inst is None else inst.queued_tokens
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._by_id)
+
+    def __len__(self) -> int:
+        return len(self._by_id)
 
 
 CAP_UNKNOWN = 0  # never a cap (a cap is at least 1)
@@ -303,6 +334,8 @@ class CoordinatorCore:
         self.clock = clock
         self.requests: dict[str, TrackedRequest] = {}
         self.instances: dict[str, InstanceState] = {}
+        self._live_cache: list[InstanceState] | None = None
+        self._load_view = _QueuedLoad([])
         self.unassigned: list[str] = []
         # Recently answered ids: a redelivery of one of these is acked without a second reply.
         self.answered: OrderedDict[str, None] = OrderedDict()
@@ -595,7 +628,16 @@ class CoordinatorCore:
         )
 
     def _live(self) -> list[InstanceState]:
-        return [i for i in self.instances.values() if i.status == "alive"]
+        """The alive instances (a cached list: every arrival reads it; rebuilt when an
+        instance registers or changes status, see :meth:`_instances_changed`)."""
+        live = self._live_cache
+        if live is None:
+            live = self._live_cache = [i for i in self.instances.values() if i.status == "alive"]
+            self._load_view = _QueuedLoad(live)
+        return live
+
+    def _instances_changed(self) -> None:
+        self._live_cache = None
 
     def _place(self, tracked: TrackedRequest, now: float) -> None:
         if self.planning:  # placed by adopt_plan, once the plan is in
@@ -605,8 +647,9 @@ class CoordinatorCore:
             self.unassigned.append(tracked.request_id)
             return
         live = self._live()
-        load = {i.instance_id: i.queued_tokens for i in live}
-        target = self.policy.place(tracked.plan_view, [i.plan_view() for i in live], load, now)
+        target = self.policy.place(
+            tracked.plan_view, [i.plan_view() for i in live], self._load_view, now
+        )
         tracked.state = TrackState.QUEUED
         tracked.dispatch_id = None
         if target is None:
@@ -651,6 +694,7 @@ class CoordinatorCore:
                     cap_sent=status.max_in_engine,
                 )
                 self.instances[iid] = inst
+                self._instances_changed()
                 new.append(iid)
                 log.info("instance_registered", instance_id=iid, agent_id=hb.agent_id)
             elif inst.status == "alive":
@@ -914,6 +958,7 @@ class CoordinatorCore:
         if inst is None or inst.status == "lost":
             return []
         inst.status = "lost"
+        self._instances_changed()
         inst.credit = 0
         moved = [self.requests[rid] for rid in inst.queue.clear()]
         inst.queued_tokens = 0.0
@@ -1061,6 +1106,7 @@ class CoordinatorCore:
         if inst.status == "lost":
             return 0
         inst.status = "draining"
+        self._instances_changed()
         inst.credit = 0
         moved = [self.requests[rid] for rid in inst.queue.clear()]
         inst.queued_tokens = 0.0
@@ -1076,6 +1122,7 @@ class CoordinatorCore:
         inst = self.instances[instance_id]
         if inst.status == "draining":
             inst.status = "alive"
+            self._instances_changed()
             log.info("instance_undrained", instance_id=instance_id)
         return inst.status
 
