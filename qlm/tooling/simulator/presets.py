@@ -159,10 +159,18 @@ PRESETS: dict[str, Preset] = {
             "qlm >= every baseline - 1 point; at 16/20 req/s >= vllm + 40 and >= the best of "
             "fcfs/edf/edf-shed + 5 points; throughput >= vllm and >= 0.97x fcfs",
         ),
-        Preset("wb-ablation", "removing each default LSO lowers attainment or throughput"),
+        Preset(
+            "wb-ablation",
+            "removing each default LSO lowers attainment or throughput by > 1 sd; adding one "
+            "that is off raises neither",
+        ),
         Preset("wa", "qlm throughput >= 3x fcfs and >= edf with >= 50 % tail models"),
         Preset("wa-share", "(Fig. 9) attainment vs latency-sensitive share"),
-        Preset("wa-ablation", "removing each default LSO lowers attainment or throughput"),
+        Preset(
+            "wa-ablation",
+            "removing each default LSO lowers attainment or throughput by > 1 sd; adding one "
+            "that is off raises neither",
+        ),
         Preset("wc", "(Fig. 15) attainment with mega prompts"),
         Preset("hetero", ">= 2x attainment or throughput of round-robin at 20-50 % A10"),
         Preset("delta", "(Fig. 18) attainment vs planner overhead", _delta_sweep),

@@ -142,28 +142,34 @@ def check_hetero(summary: Mapping[str, Any]) -> list[Check]:
 
 
 def check_ablation(summary: Mapping[str, Any]) -> list[Check]:
-    """Against the default LSOs (the first point): removing one of them ("no X") lowers
-    attainment or throughput; adding one that is off by default ("+ X") raises either (when
-    it does not, the miss says why it stays off)."""
+    """Issue 17's rule, against the default LSOs (the first point), by more than one sd over
+    the seeds (the larger of the two points' sds; 0 with one seed): a default LSO pays where
+    removing it ("no X") lowers attainment or throughput; an LSO that is off by default ("+ X")
+    is rightly off where adding it raises neither (the miss then says where it would pay, and
+    at what cost)."""
     out: list[Check] = []
     att = _series(summary, "qlm", "slo_attainment")
     thr = _series(summary, "qlm", "throughput_rps")
+    sds = (summary.get("sd") or {}).get("qlm") or {}
+    att_sd = list(sds.get("slo_attainment") or [0.0] * len(att))
+    thr_sd = list(sds.get("throughput_rps") or [0.0] * len(thr))
     labels = _labels(summary)
     if not att:
         return out
     for k in range(1, len(att)):
-        added = str(labels[k]).startswith("+")
-        if added:
-            ok = att[k] > att[0] + 1e-9 or thr[k] > thr[0] + 1e-9
-            what = "raises attainment or throughput"
+        d_att, d_thr = att[k] - att[0], thr[k] - thr[0]
+        sd_att, sd_thr = max(att_sd[0], att_sd[k]), max(thr_sd[0], thr_sd[k])
+        if str(labels[k]).startswith("+"):
+            what = "stays off rightly: raises neither attainment nor throughput by > 1 sd"
+            ok = d_att <= sd_att + 1e-9 and d_thr <= sd_thr + 1e-9
         else:
-            ok = att[k] < att[0] - 1e-9 or thr[k] < thr[0] - 1e-9
-            what = "lowers attainment or throughput"
+            what = "pays: removing it lowers attainment or throughput by > 1 sd"
+            ok = d_att < -sd_att - 1e-9 or d_thr < -sd_thr - 1e-9
         out.append(
             (
                 f"{labels[k]}: {what}",
-                f"attainment {_pct(att[k])} (default: {_pct(att[0])}), "
-                f"throughput {thr[k]:.2f} (default: {thr[0]:.2f}) req/s",
+                f"attainment {_pct(att[k])} (default: {_pct(att[0])}, sd {100 * sd_att:.1f}), "
+                f"throughput {thr[k]:.2f} (default: {thr[0]:.2f}, sd {sd_thr:.2f}) req/s",
                 ok,
             )
         )
