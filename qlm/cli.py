@@ -1172,7 +1172,8 @@ def bench_gateway(
     progress: Annotated[bool, typer.Option(help="requests done, on a terminal")] = True,
 ) -> None:
     """Latency the OpenAI gateway adds over publishing with qlm.client (target: <= 5 ms p50),
-    or with --stream what token streaming adds to TTFT and inter-token gaps."""
+    or with --stream what token streaming adds to TTFT and inter-token gaps. Exit status 1 when
+    the target is missed or every request failed."""
     from qlm.tooling.bench_gateway import run_gateway_bench
 
     s = _settings()
@@ -1196,6 +1197,11 @@ def bench_gateway(
     typer.echo(json.dumps(result, indent=2))
     if json_out:
         json_out.write_text(json.dumps(result, indent=2))
+    if result["errors"] >= result["requests"]:  # nothing measured: a broken path, not a figure
+        typer.echo(f"every request failed ({result['errors']}): see the log", err=True)
+        raise typer.Exit(1)
+    if not result["target_met"]:
+        raise typer.Exit(1)
 
 
 @bench_app.command("capacity-ilp")

@@ -295,7 +295,7 @@ async def _measure_stream(
         async with slots:
             t0 = time.perf_counter()
             times: list[float] = []
-            words = 0
+            tokens = 0
             info: dict[str, Any] | None = None
             try:
                 async for status, data in _sse_post(
@@ -306,14 +306,23 @@ async def _measure_stream(
                     event = json.loads(data)
                     if event.get("choices") and event["choices"][0]["text"]:
                         times.append(time.perf_counter())
-                        words += len(event["choices"][0]["text"].split())
                     if event.get("qlm"):
                         info = event["qlm"]
+                    if event.get("usage"):  # stream_options.include_usage: the last event
+                        tokens = int(event["usage"]["completion_tokens"])
             except Exception as exc:  # noqa: BLE001 - counted, the run goes on
                 log.warning("bench_stream_failed", error=repr(exc))
                 errors += 1
                 return
-            if not times or info is None or info.get("ttft_ms") is None or words != max_tokens:
+            # tokens from the usage event, not the text: a real tokenizer's token is not a word
+            # (and a random model's may decode to nothing, so events can be fewer than tokens)
+            if not times or info is None or info.get("ttft_ms") is None or tokens < 1:
+                log.warning(
+                    "bench_stream_incomplete",
+                    text_events=len(times),
+                    tokens=tokens,
+                    engine_ttft=None if info is None else info.get("ttft_ms"),
+                )
                 errors += 1
                 return
             ttft = (times[0] - t0) * 1000
@@ -321,9 +330,9 @@ async def _measure_stream(
             engine_ttft_ms.append(info["ttft_ms"])
             overhead_ms.append(ttft - info["ttft_ms"])
             gaps_ms.extend((b - a) * 1000 for a, b in zip(times, times[1:], strict=False))
-            chunk_tokens.append(words / len(times))
-            if words > 1 and info.get("tbt_ms") is not None:
-                client_tbt_ms.append((times[-1] - times[0]) * 1000 / (words - 1))
+            chunk_tokens.append(tokens / len(times))
+            if tokens > 1 and info.get("tbt_ms") is not None:
+                client_tbt_ms.append((times[-1] - times[0]) * 1000 / (tokens - 1))
                 engine_tbt_ms.append(info["tbt_ms"])
 
     try:
