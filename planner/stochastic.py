@@ -444,6 +444,25 @@ class QLMPolicy(QueuePolicy):
             return key
         return (TAIL, ALIVE, 0, request.effective_deadline, request.seq)
 
+    def stale_key(
+        self, request: PlanRequest, key: tuple[Any, ...], instance_id: str, now: float
+    ) -> tuple[Any, ...] | None:
+        """Kept work whose latest start (its key's second element, at least its own) passed
+        since the plan can no longer meet at the length bound: it joins the hopeless tail now
+        instead of going first, ahead of work that can still make it, until the next replan
+        (in overload replans come tens of seconds apart, and EDF order puts exactly these
+        requests at the head)."""
+        if key[0] != FEASIBLE or not self.config.demote or key[1] >= now:
+            return None
+        lane = self._lanes.get(instance_id)
+        run = lane.ranks.setdefault(request.model, len(lane.ranks)) if lane is not None else 0
+        new = (TAIL, HOPELESS, run, request.arrival_time, request.seq)
+        rid = request.request_id
+        self._arrival_keys.pop(rid, None)
+        self._keys[rid] = new
+        self._shots.discard(rid)
+        return new
+
     def observe_completion(self, obs: CompletionObservation) -> None:
         lengths = self.estimator.lengths
         lengths.observe(

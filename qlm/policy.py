@@ -235,6 +235,16 @@ class QueuePolicy(ABC):
         SLO violation, or the last plan is too old). Simple policies never ask."""
         return False
 
+    def stale_key(
+        self, request: PlanRequest, key: tuple[Any, ...], instance_id: str, now: float
+    ) -> tuple[Any, ...] | None:
+        """Asked as ``request`` reaches the head of ``instance_id``'s queue, about to be
+        dispatched: a new sort key when its own ``key`` no longer holds at ``now`` (the
+        request moves there and the next head is asked), or None to dispatch it. A policy whose
+        keys promise a deadline can be met uses it to demote, between replans, work whose
+        latest start has passed. The new key must not be stale itself. Default: None."""
+        return None
+
     def predicted_completions(self) -> Mapping[str, float]:
         """The policy's own estimate of when each request of its last plan completes (absolute
         time, the clock of ``now``): what the simulator's ``rct`` scenario checks against the

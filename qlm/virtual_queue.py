@@ -8,8 +8,11 @@ ids in the order the policy chose. Inserts keep the order by the policy's sort k
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
+
+# (request id, its key) -> its new key, or None to take it as it is
+Restale = Callable[[str, tuple[Any, ...]], tuple[Any, ...] | None]
 
 
 class VirtualQueue:
@@ -41,7 +44,20 @@ class VirtualQueue:
     def peek(self) -> str | None:
         return self._ids[0] if self._ids else None
 
-    def pop(self) -> str:
+    def pop(self, restale: Restale | None = None) -> str:
+        """Remove and return the head. With ``restale``, each head is asked first
+        (:meth:`qlm.policy.QueuePolicy.stale_key`): a new key moves that request there, at most
+        once per call, and the next head is asked."""
+        if restale is not None:
+            moved: set[str] = set()
+            while self._ids[0] not in moved:
+                rid, key = self._ids[0], self._keys[0]
+                new = restale(rid, key)
+                if new is None:
+                    break
+                moved.add(rid)
+                del self._ids[0], self._keys[0]
+                self.insert(rid, new)
         self._keys.pop(0)
         return self._ids.pop(0)
 

@@ -35,7 +35,7 @@ from qlm.control import Completion, Evicted, Heartbeat, InstanceInfo, InstanceSt
 from qlm.coordinator.outcome import first_token_time, slo_outcome
 from qlm.policy import CompletionObservation, Plan, PlanInstance, PlanRequest, QueuePolicy
 from qlm.types import RequestMessage, SLOOutcome
-from qlm.virtual_queue import VirtualQueue
+from qlm.virtual_queue import Restale, VirtualQueue
 
 log = structlog.get_logger(__name__)
 
@@ -782,7 +782,8 @@ class CoordinatorCore:
 
     def next_dispatches(self, now: float, instance_id: str | None = None) -> list[DispatchOrder]:
         """Hand queued requests to every instance that has credit (or to ``instance_id``
-        only), in virtual-queue order."""
+        only), in virtual-queue order; the policy may move a head whose key went stale since
+        its plan (:meth:`QueuePolicy.stale_key`) before it leaves."""
         orders: list[DispatchOrder] = []
         if instance_id is None:
             instances: Iterable[InstanceState] = self.instances.values()
@@ -790,10 +791,11 @@ class CoordinatorCore:
             one = self.instances.get(instance_id)
             instances = () if one is None else (one,)
         for inst in instances:
-            if inst.status != "alive":
+            if inst.status != "alive" or inst.credit <= 0 or not len(inst.queue):
                 continue
+            restale = self._restale(inst.instance_id, now)
             while inst.credit > 0 and len(inst.queue):
-                rid = inst.queue.pop()
+                rid = inst.queue.pop(restale)
                 tracked = self.requests[rid]
                 inst.queued_tokens -= self.policy.work_tokens(tracked.plan_view)
                 inst.credit -= 1
@@ -810,6 +812,18 @@ class CoordinatorCore:
                     )
                 )
         return orders
+
+    def _restale(self, instance_id: str, now: float) -> Restale | None:
+        """The policy's :meth:`~QueuePolicy.stale_key` as the queue of ``instance_id`` asks it
+        (None where the policy keeps the base's, which never moves anything)."""
+        if type(self.policy).stale_key is QueuePolicy.stale_key:
+            return None
+        stale_key, requests = self.policy.stale_key, self.requests
+
+        def restale(rid: str, key: tuple[Any, ...]) -> tuple[Any, ...] | None:
+            return stale_key(requests[rid].plan_view, key, instance_id, now)
+
+        return restale
 
     def undo_dispatch(self, request_id: str, dispatch_id: str, now: float) -> bool:
         """A dispatch this coordinator failed to publish (its own channel or connection, not

@@ -15,6 +15,7 @@ What the suite holds every policy to:
   position, instances taking one request a step, a full ``plan`` adopted every few steps), a
   request is dispatched within a bounded number of steps while every request carries a
   bounded SLO. (Requests without any deadline are out of scope: EDF serves them last by design.)
+* **Stale keys are final.** A key ``stale_key`` moves a request to does not go stale again.
 * **place agrees with plan.** Placing requests one by one and keeping each queue sorted by
   ``sort_key`` gives a valid partition too.
 * **Degenerate inputs never crash**: zero instances, no serving instance, SLOs already passed,
@@ -247,13 +248,33 @@ def test_no_request_starves_under_bounded_slos(policy: QueuePolicy) -> None:
                 load[iid] = sum(policy.work_tokens(known[rid]) for rid in ids)
         for iid, q in queues.items():
             if len(q) and rng.random() < 0.98:
-                rid = q.pop()
+                rid = q.pop(lambda r, k, i=iid, t=t: policy.stale_key(known[r], k, i, float(t)))
                 load[iid] -= policy.work_tokens(known.pop(rid))
                 dispatched_at[rid] = t
         if "victim" in dispatched_at:
             break
     assert "victim" in dispatched_at, f"victim still queued after {steps} steps"
     assert dispatched_at["victim"] <= steps // 2
+
+
+def test_a_stale_key_is_final(policy: QueuePolicy) -> None:
+    """What ``stale_key`` moves a request to is not stale itself, however late it is asked
+    (the core asks each head once per dispatch round; a key that went stale again would
+    move the request on every round)."""
+    insts = [make_instance("i0")]
+    reqs = [
+        make_plan_request(f"r{i}", arrival=0.0, deadline=d, seq=i, out=o)
+        for i, (d, o) in enumerate([(5.0, 50), (30.0, 400), (60.0, 20), (None, 10)])
+    ]
+    plan = policy.plan(reqs, insts, now=0.0)
+    for r in reqs:
+        key = policy.sort_key(r)
+        for now in (0.0, 10.0, 100.0, 1e6):
+            new = policy.stale_key(r, key, "i0", now)
+            if new is not None:
+                assert policy.stale_key(r, new, "i0", now + 1e6) is None, (r.request_id, now)
+                key = new
+    assert plan.assigned_ids()
 
 
 # ------------------------------------------------------------------------- degenerate input

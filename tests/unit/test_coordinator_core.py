@@ -632,3 +632,39 @@ def test_an_aborted_plan_hands_the_policy_back() -> None:
     assert waiting.instance_id is None
     core.abort_plan(now=1.0)
     assert not core.planning and waiting.instance_id == "a-gpu0"
+
+
+class _StaleAfterDeadline(EDFPolicy):
+    """EDF whose keys go stale once the deadline passed: such a request moves to the back.
+    A policy returning a stale key again would loop; the queue asks each request once."""
+
+    def __init__(self, *, endless: bool = False) -> None:
+        self.endless = endless
+        self.asked: list[str] = []
+
+    def stale_key(self, request, key, instance_id, now):  # type: ignore[no-untyped-def]
+        self.asked.append(request.request_id)
+        if key[0] == "late" and not self.endless:
+            return None
+        if request.deadline is not None and request.deadline < now:
+            return ("late", request.seq)
+        return None
+
+    def sort_key(self, request):  # type: ignore[no-untyped-def]
+        return ("due", *super().sort_key(request))
+
+
+def test_a_head_whose_key_went_stale_moves_before_it_is_dispatched() -> None:
+    for endless in (False, True):
+        policy = _StaleAfterDeadline(endless=endless)
+        core = CoordinatorCore(policy, heartbeat_timeout_s=3.0)
+        core.on_heartbeat(heartbeat("a", 1), now=0.0)
+        missed = admit(core, e2e_ms=1_000, submitted_at=0.0)
+        fresh = admit(core, e2e_ms=50_000, submitted_at=0.0)
+        core.on_pull("a-gpu0", 1)
+        [order] = core.next_dispatches(5.0)
+        assert order.tracked is fresh  # the missed head moved behind it
+        assert policy.asked[:2] == [missed.request_id, fresh.request_id]
+        core.on_pull("a-gpu0", 1)
+        [order] = core.next_dispatches(6.0)
+        assert order.tracked is missed and core.queue_depths() == {"a-gpu0": 0}

@@ -259,3 +259,31 @@ def test_in_overload_a_long_shot_is_demoted() -> None:
     assert pol.sort_key(shot)[:2] == (TAIL, HOPELESS)
     plan = pol.plan([batch, shot], [inst()], shot.arrival_time)
     assert plan.queues["i0"] == ["b0", "shot"]
+
+
+def test_kept_work_past_its_latest_start_is_demoted_at_dispatch() -> None:
+    """Between replans, a kept request whose latest start passes can no longer meet at the
+    length bound: as it reaches the head it joins the hopeless tail instead of going first
+    (EDF puts exactly these requests at the head), once; fresh work and the tail stay."""
+    pol = QLMPolicy()
+    i0 = [inst()]
+    soon = req("soon", 10.0, 100, seq=1)
+    later = req("later", 100.0, 100, seq=2)
+    plan = pol.plan([soon, later], i0, NOW)
+    assert plan.queues["i0"] == ["soon", "later"]
+    vq = VirtualQueue("i0")
+    vq.replace([(r.request_id, pol.sort_key(r)) for r in (soon, later)])
+    latest = pol.sort_key(soon)[1]
+    assert pol.stale_key(soon, pol.sort_key(soon), "i0", latest - 1.0) is None
+
+    def restale(now: float):  # type: ignore[no-untyped-def]
+        by_id = {"soon": soon, "later": later}
+        return lambda rid, key: pol.stale_key(by_id[rid], key, "i0", now)
+
+    assert vq.pop(restale(latest + 1.0)) == "later"
+    assert pol.sort_key(soon)[:2] == (TAIL, HOPELESS)
+    assert pol.stale_key(soon, pol.sort_key(soon), "i0", latest + 1e6) is None  # final
+    assert vq.pop(restale(latest + 1.0)) == "soon"  # the tail is served when nothing else is
+    off = QLMPolicy(demote=False)
+    off.plan([soon, later], i0, NOW)
+    assert off.stale_key(soon, off.sort_key(soon), "i0", latest + 1.0) is None
