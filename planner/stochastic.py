@@ -302,6 +302,8 @@ class _LaneState:
     pending_due: list[float] = field(default_factory=list)  # arrivals since the plan, sorted
     pending_tokens: list[float] = field(default_factory=list)
     added_s: float = 0.0  # occupancy of feasible arrivals since the plan
+    # the plan's model runs over the kept work, in order: (model, first key, last key)
+    runs: list[tuple[str, float, float]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         # bisect and scalar reads on Python lists: on numpy arrays each comparison boxes a
@@ -336,6 +338,29 @@ class _LaneState:
             return unknown + ahead
         k = bisect.bisect_right(self.pending_due, due)
         return unknown + ahead + sum(self.pending_tokens[:k])
+
+    def sort_due(self, model: str, due: float, load: float) -> tuple[float, float | None]:
+        """The key an arrival of ``model`` whose latest start is ``due`` sorts at, and a
+        second one to try where it misses at the first (or None): its EDF position in the run
+        the engine serves now (the first planned run not yet dispatched) when that is of its
+        model; else within its model's next planned run; else a new run after all the planned
+        work (the arrivals of its model that follow join it there), or, where it misses
+        there, right after the current run. Sorted into another model's run, it would switch
+        the engine mid-run: a drain it waits for, and a load back afterwards."""
+        runs = self.runs
+        dispatched = max(0.0, self.placed - load)
+        current = 0
+        while current < len(runs):
+            last = runs[current][2]
+            if self._cum[bisect.bisect_right(self._due, last)] > dispatched:
+                break
+            current += 1
+        if current == len(runs) or runs[current][0] == model:
+            return due, None
+        for m, first, last in runs[current + 1 :]:
+            if m == model:
+                return min(max(due, first), last), None
+        return max(due, runs[-1][2]), max(due, runs[current][2])
 
     def slack_after(self, due: float) -> float:
         """The least slack among the kept requests that sort after a key ``due``."""
@@ -578,7 +603,7 @@ class QLMPolicy(QueuePolicy):
         self._arrivals_since_plan += 1
         out_mean, out_bound, out_shot = self._lengths_of(request)
         tokens = float(self.work_tokens(request))
-        best: tuple[tuple[Any, ...], PlanInstance, float, float, bool] | None = None
+        best: tuple[tuple[Any, ...], PlanInstance, float, float, bool, float] | None = None
         best_infeasible, best_primary = True, math.inf
         # identical instances share their rate: one (due, long shot) for all
         dues: dict[int, tuple[float, bool]] = {}
@@ -609,9 +634,19 @@ class QLMPolicy(QueuePolicy):
             # a model the instance holds no work of: a new run (drain, then load)
             held = model in lane.models or inst.active_model in (None, model)
             swap = 0.0 if held else rate.switch_s + lane.swap_s
-            ahead = 0.0 if queued <= 0.0 else lane.ahead_tokens(due, queued)
+            runs = lane.runs
+            if not runs or (len(runs) == 1 and runs[0][0] == model):
+                at, later = due, None
+            else:
+                at, later = lane.sort_due(model, due, queued)
+            ahead = 0.0 if queued <= 0.0 else lane.ahead_tokens(at, queued)
             start = now + ahead * lane.s_per_token + swap
             infeasible = start > due
+            if infeasible and later is not None:
+                at = later
+                ahead = 0.0 if queued <= 0.0 else lane.ahead_tokens(at, queued)
+                start = now + ahead * lane.s_per_token + swap
+                infeasible = start > due
             primary = queued * lane.s_per_token + swap if infeasible else start
             if best is not None and (
                 infeasible > best_infeasible
@@ -621,10 +656,10 @@ class QLMPolicy(QueuePolicy):
             rank = (infeasible, primary, inst.running, iid)
             if best is None or rank < best[0]:
                 occ = request.prompt_tokens * rate.inv_prefill_tps + out_mean * rate.inv_tps
-                best = (rank, inst, due, occ, shot)
+                best = (rank, inst, due, occ, shot, at)
                 best_infeasible, best_primary = infeasible, primary
         assert best is not None
-        rank, inst, due, occ, shot = best
+        rank, inst, due, occ, shot, at = best
         infeasible = rank[0]
         if self.config.long_shot_quantile is not None:
             self._accrue(now, len(eligible))
@@ -647,11 +682,11 @@ class QLMPolicy(QueuePolicy):
         lane.models.add(request.model)
         self._remember(request, iid, out_mean, now)
         if not infeasible:
-            key: tuple[Any, ...] = (FEASIBLE, due, math.inf, request.seq)
-            lane.add_pending(due, tokens)
+            key: tuple[Any, ...] = (FEASIBLE, at, math.inf, request.seq)
+            lane.add_pending(at, tokens)
             lane.added_s += occ
             # §4: replan when the arrival pushes kept work behind it past its deadline
-            if lane.slack_after(due) < lane.added_s:
+            if lane.slack_after(at) < lane.added_s:
                 self._violation = True
         elif due > now:
             run = lane.ranks.setdefault(request.model, len(lane.ranks))
@@ -1726,6 +1761,7 @@ class QLMPolicy(QueuePolicy):
                 models={models[int(tab.model_idx[k])] for k in q},
                 ranks=dict(self._tail_ranks[g]),
                 swap_s=float(typical[0]) if len(typical) else 0.0,
+                runs=_runs([models[int(tab.model_idx[k])] for k in kept], due),
             )
 
 
@@ -1900,6 +1936,17 @@ class _Walker:
             met += int(ok.sum())
             worth += float(self.values[idx][ok].sum())
         return _Walk(self.lanes, self.tail, met, worth, switches, makespan)
+
+
+def _runs(models: list[str], due: np.ndarray) -> list[tuple[str, float, float]]:
+    """Model runs of a kept order: (model, first key, last key) per run of one model."""
+    runs: list[tuple[str, float, float]] = []
+    for m, d in zip(models, due.tolist(), strict=True):
+        if runs and runs[-1][0] == m:
+            runs[-1] = (m, runs[-1][1], d)
+        else:
+            runs.append((m, d, d))
+    return runs
 
 
 def _latest_start(r: PlanRequest, prefill_s: float, own_s: float) -> float:

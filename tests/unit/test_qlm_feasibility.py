@@ -17,6 +17,7 @@ from qlm.planner.stochastic import (
     TAIL,
     QLMPolicy,
     _LaneState,
+    _runs,
 )
 from qlm.policy import PlanInstance, PlanRequest
 from qlm.virtual_queue import VirtualQueue
@@ -287,3 +288,54 @@ def test_kept_work_past_its_latest_start_is_demoted_at_dispatch() -> None:
     off = QLMPolicy(demote=False)
     off.plan([soon, later], i0, NOW)
     assert off.stale_key(soon, off.sort_key(soon), "i0", latest + 1.0) is None
+
+
+def test_an_arrival_sorts_into_its_own_model_run() -> None:
+    """The plan runs model a then b here: an arrival of b sorts inside b's run (not ahead of
+    a's, which would switch the engine mid-run), of a at its EDF position while a runs, of a
+    third model after all the planned work (else right after the current run); once a's run
+    has been dispatched, b's is the current one."""
+    due = np.array([10.0, 20.0, 30.0, 40.0])
+    toks = np.full(4, 100.0)
+    lane = _LaneState(
+        due,
+        toks,
+        np.concatenate(([0.0], np.cumsum(toks))),
+        np.full(5, np.inf),
+        0.01,
+        400.0,
+        runs=_runs(["a", "a", "b", "b"], due),
+    )
+    assert lane.runs == [("a", 10.0, 20.0), ("b", 30.0, 40.0)]
+    assert lane.sort_due("a", 5.0, 400.0) == (5.0, None)
+    assert lane.sort_due("b", 5.0, 400.0) == (30.0, None)
+    assert lane.sort_due("b", 35.0, 400.0) == (35.0, None)
+    assert lane.sort_due("b", 50.0, 400.0) == (40.0, None)
+    assert lane.sort_due("c", 5.0, 400.0) == (40.0, 20.0)
+    assert lane.sort_due("c", 45.0, 400.0) == (45.0, 45.0)
+    # a's two requests dispatched (200 of 400 tokens left): b runs now
+    assert lane.sort_due("b", 5.0, 200.0) == (5.0, None)
+    assert lane.sort_due("a", 5.0, 200.0) == (40.0, 40.0)
+    assert lane.sort_due("a", 5.0, 0.0) == (5.0, None)  # everything planned has left
+
+
+def test_place_keeps_an_arrival_out_of_another_model_s_run() -> None:
+    """One instance serving two models, a planned run of each: an arrival of the second
+    model due before the first run's work is keyed into its own model's run (at its first
+    key: it ties with that run's work, after it), not ahead of the first run."""
+    pol = QLMPolicy()
+    i0 = [inst(models=("mistral-7b", "vicuna-13b"), active_model="mistral-7b")]
+    first = [req(f"m{k}", 280.0, 50, seq=k) for k in range(3)]
+    second = [req(f"v{k}", 300.0, 50, seq=3 + k, model="vicuna-13b") for k in range(3)]
+    plan = pol.plan(first + second, i0, NOW)
+    assert plan.queues["i0"] == [r.request_id for r in first + second]
+    load = {"i0": float(sum(pol.work_tokens(r) for r in first + second))}
+    urgent = req("urgent", 250.0, 20, seq=9, model="vicuna-13b")
+    assert pol.place(urgent, i0, load, NOW) == "i0"
+    key = pol.sort_key(urgent)
+    assert key[0] == FEASIBLE and key[1] == pol.sort_key(second[0])[1] > NOW + 250.0
+    assert key[1] > pol.sort_key(first[-1])[1]
+    vq = VirtualQueue("i0")
+    vq.replace([(r.request_id, pol.sort_key(r)) for r in first + second])
+    vq.insert("urgent", key)
+    assert list(vq)[:3] == ["m0", "m1", "m2"] and "urgent" in list(vq)[3:]
