@@ -28,8 +28,10 @@ the plan's ``meta``: ``lso`` (per instance: active/warm/cold models, whether the
 preempt the running batch and by swap or eviction) and ``scale_up`` (how many more instances of
 which GPU type would make the plan feasible). ``place`` decides an arrival in O(instances ·
 log n): its latest start against the planned work due before it on each instance; feasible, it
-sorts at its EDF position, ahead of the tail; infeasible, into the tail, and a replan is asked
-for when one could make room for it.
+sorts at its EDF position within its model's run (never into another model's), ahead of the
+tail; infeasible, into the tail, and a replan is asked for when one could make room for it.
+Between replans, kept work whose latest start has passed is moved to the tail as it reaches
+the head of its queue (``stale_key``).
 """
 
 from __future__ import annotations

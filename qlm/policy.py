@@ -242,7 +242,8 @@ class QueuePolicy(ABC):
         dispatched: a new sort key when its own ``key`` no longer holds at ``now`` (the
         request moves there and the next head is asked), or None to dispatch it. A policy whose
         keys promise a deadline can be met uses it to demote, between replans, work whose
-        latest start has passed. The new key must not be stale itself. Default: None."""
+        latest start has passed. The new key must not be stale itself. Not asked while a plan
+        computed in another thread owns the policy. Default: None."""
         return None
 
     def predicted_completions(self) -> Mapping[str, float]:

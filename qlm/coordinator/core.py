@@ -815,8 +815,9 @@ class CoordinatorCore:
 
     def _restale(self, instance_id: str, now: float) -> Restale | None:
         """The policy's :meth:`~QueuePolicy.stale_key` as the queue of ``instance_id`` asks it
-        (None where the policy keeps the base's, which never moves anything)."""
-        if type(self.policy).stale_key is QueuePolicy.stale_key:
+        (None where the policy keeps the base's, which never moves anything, and while a
+        plan computed in another thread owns the policy: :meth:`begin_plan`)."""
+        if self.planning or type(self.policy).stale_key is QueuePolicy.stale_key:
             return None
         stale_key, requests = self.policy.stale_key, self.requests
 

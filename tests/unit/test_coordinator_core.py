@@ -668,3 +668,21 @@ def test_a_head_whose_key_went_stale_moves_before_it_is_dispatched() -> None:
         core.on_pull("a-gpu0", 1)
         [order] = core.next_dispatches(6.0)
         assert order.tracked is missed and core.queue_depths() == {"a-gpu0": 0}
+
+
+def test_no_stale_key_is_asked_while_a_plan_runs_elsewhere() -> None:
+    """A plan computed in another thread owns the policy until it is adopted: heads are
+    dispatched in their queue's order meanwhile, and asked again afterwards."""
+    policy = _StaleAfterDeadline()
+    core = CoordinatorCore(policy, heartbeat_timeout_s=3.0)
+    core.on_heartbeat(heartbeat("a", 1), now=0.0)
+    missed = admit(core, e2e_ms=1_000, submitted_at=0.0)
+    fresh = admit(core, e2e_ms=50_000, submitted_at=0.0)
+    core.begin_plan()
+    core.on_pull("a-gpu0", 1)
+    [order] = core.next_dispatches(5.0)
+    assert order.tracked is missed and policy.asked == []
+    core.abort_plan(5.0)
+    core.on_pull("a-gpu0", 1)
+    [order] = core.next_dispatches(6.0)
+    assert order.tracked is fresh and policy.asked == [fresh.request_id]
