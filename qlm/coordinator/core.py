@@ -1103,6 +1103,14 @@ class CoordinatorCore:
             orders.append(BatchCapOrder(iid, inst.info.agent_id, cap))
         return orders
 
+    def excuse_silence(self, now: float) -> None:
+        """The coordinator could not hear heartbeats until ``now`` (its own broker connection
+        was down): every instance not lost counts as seen now, and has the whole heartbeat
+        timeout from now to be heard again."""
+        for inst in self.instances.values():
+            if inst.status != "lost":
+                inst.last_seen = max(inst.last_seen, now)
+
     def check_liveness(self, now: float) -> list[tuple[str, list[TrackedRequest]]]:
         lost = []
         for inst in list(self.instances.values()):

@@ -187,6 +187,10 @@ class Coordinator:
         # Active from its first delivery, not from start(): a standby starts long before it
         # takes over (single active consumer) and then knows no instance yet either.
         self._active_since: float | None = None
+        # When this coordinator's broker connection last came back (unix s): heartbeats sent
+        # while it was down never reached it, so the agents get the registration grace again
+        # from then (none is judged lost, no model looks unserved, for that long).
+        self._reconnected_at: float | None = None
         self._held_unserved: dict[str, float] = {}  # request id -> when its hold ends (unix s)
         self._models_exchange: AbstractExchange | None = None
         self._announced: tuple[list[ServedModel], float] | None = None  # what and when
@@ -246,6 +250,7 @@ class Coordinator:
         except Exception as exc:  # a cache only: the record itself is consulted on redelivery
             log.warning("answered_ids_not_loaded", error=repr(exc)[:200])
         self._conn = await qlm_amqp.connect(self.amqp_url, name="qlm-coordinator")
+        self._conn.reconnect_callbacks.add(self._on_reconnected)
         self._pub = await self._conn.channel(publisher_confirms=True, on_return_raises=True)
         # The setup channel re-declares the topology after a broker restart (a non-durable
         # queue is gone then); the consumers' passive declarations wait for it.
@@ -914,7 +919,7 @@ class Coordinator:
         it may wait for an agent: the hold, and at least the grace after this start."""
         if self.unserved_model_hold_s is None or model in self.core.served_models():
             return None
-        active = now if self._active_since is None else self._active_since
+        active = self._registering_since(now)
         return max(now + self.unserved_model_hold_s, active + self.unserved_model_grace_s)
 
     def _not_served(self, model: str, request_id: str | None) -> InvalidRequest:
@@ -957,7 +962,7 @@ class Coordinator:
         if (
             self._models_exchange is None
             or self._active_since is None  # a standby: the active coordinator announces
-            or now < self._active_since + self.unserved_model_grace_s
+            or now < self._registering_since(now) + self.unserved_model_grace_s
         ):
             return
         models = self.served_model_list()
@@ -1277,6 +1282,23 @@ class Coordinator:
         self._spawn(run())
 
     # ------------------------------------------------------------------ liveness
+    def _on_reconnected(self, _: Any) -> None:
+        now = time.time()
+        self._reconnected_at = now
+        self.core.excuse_silence(now)
+        log.info("coordinator_reconnected_agents_excused", instances=len(self.core.instances))
+
+    def _registering_since(self, now: float) -> float:
+        """Since when (unix s) agents register with this coordinator: since it became active
+        (``now`` while standing by), or since its broker connection came back if later."""
+        active = now if self._active_since is None else self._active_since
+        return active if self._reconnected_at is None else max(active, self._reconnected_at)
+
+    def _deaf(self) -> bool:
+        """This coordinator cannot hear heartbeats now: its own connection is down."""
+        conn = self._conn
+        return conn is not None and not conn.connected.is_set()
+
     async def _liveness_loop(self) -> None:
         last_tick = time.monotonic()
         while True:
@@ -1293,6 +1315,11 @@ class Coordinator:
                 log.warning("liveness_check_skipped", lag_s=round(gap, 3))
                 self._refresh_gauges()  # the metrics still follow the latest heartbeats
                 continue
+            if self._deaf():
+                # No heartbeat can arrive while the connection is down: silence is this
+                # coordinator's, not the agents' (after a node loss every agent would
+                # otherwise be declared lost, its work requeued, its models unserved).
+                self.core.excuse_silence(now)
             if self.core.promote_due(now):
                 self._pump()
             self.core.collective.expire(now)

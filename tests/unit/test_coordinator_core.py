@@ -114,6 +114,19 @@ def test_heartbeat_timeout_requeues_queued_and_inflight() -> None:
     assert len(core.instances["b-gpu0"].queue) == 6
 
 
+def test_silence_the_coordinator_could_not_hear_loses_no_instance() -> None:
+    """While the coordinator's own broker connection is down no heartbeat reaches it: that
+    silence is excused, and every instance has a whole timeout from the excuse to be heard."""
+    core = core_with({"a": 1, "b": 1})
+    timeout = core.heartbeat_timeout_s
+    core.excuse_silence(2 * timeout)
+    assert core.check_liveness(2 * timeout + timeout * 0.9) == []
+    assert {i.status for i in core.instances.values()} == {"alive"}
+    core.on_heartbeat(heartbeat("b", at=2.5 * timeout), now=2.5 * timeout)
+    lost = core.check_liveness(3.1 * timeout)  # a stays silent after the excuse: lost
+    assert [iid for iid, _ in lost] == ["a-gpu0"]
+
+
 def test_drain_moves_queue_and_stops_dispatch() -> None:
     core = core_with({"a": 1, "b": 1})
     for _ in range(10):

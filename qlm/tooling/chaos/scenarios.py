@@ -273,6 +273,12 @@ def _result(
             if back is None
             else f"replies back at half their earlier rate {back:.1f} s after the fault"
         )
+    codes: dict[str, int] = {}
+    for x in loads:
+        for code, n in x.error_codes().items():
+            codes[code] = codes.get(code, 0) + n
+    if codes:
+        notes.append("error replies: " + "; ".join(f"{n} x {c}" for c, n in sorted(codes.items())))
     if in_flight < 1000:
         notes.append(f"only {in_flight} requests in flight at the fault (target >= 1000)")
     return ScenarioResult(

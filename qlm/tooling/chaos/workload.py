@@ -141,6 +141,23 @@ class ChaosLoad:
             and (f.exception() is not None or not isinstance(f.result(), ResultMessage))
         )
 
+    def error_codes(self) -> dict[str, int]:
+        """How many error replies (or client-side failures) there were of each code."""
+        counts: dict[str, int] = {}
+        for f in self.futures:
+            if not f.done() or f.cancelled():
+                continue
+            exc = f.exception()
+            if exc is not None:
+                key = type(exc).__name__
+            else:
+                reply = f.result()
+                if isinstance(reply, ResultMessage):
+                    continue
+                key = f"{reply.code}: {reply.message[:80]}"
+            counts[key] = counts.get(key, 0) + 1
+        return counts
+
     def reply_times(self) -> list[float]:
         assert self.client is not None
         return sorted(self.client.received_at.values())
