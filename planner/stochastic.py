@@ -162,6 +162,11 @@ class QLMConfig:
     # sure work still keeps up (its arrival rate and the backlog's deadlines), so that the
     # latency-bound requests decode faster. False: never cap
     batch_cap: bool = True
+    # Run consolidation: in the chosen plan, a model run is moved to join a later run of its
+    # model (or to the end of its queue) when every request predicted to meet still meets:
+    # one model load less each time, and arrivals of that model join the run meanwhile.
+    # False keeps the candidates' runs as walked
+    consolidate_runs: bool = True
     # the sure work's load on an instance at the capped batch, at most (1: all of it)
     cap_load_max: float = 1.0
     # a cap costs throughput: at least this share of the full batch's is kept. Lower it to
@@ -910,6 +915,11 @@ class QLMPolicy(QueuePolicy):
                 -order[kv[0]],
             ),
         )
+        if self.config.consolidate_runs and len(models) > 1:
+            until = self._clock() + CONSOLIDATE_BUDGET * self.config.time_budget_s
+            merged = _consolidate(chosen, tab, priced, self.z, until, self._clock)
+            meta["consolidated"] = chosen.switches - merged.switches
+            chosen = merged
         n_deadline = int(np.isfinite(priced.deadline[servable]).sum())
         feasible = chosen.met >= int(servable.sum())
         tail = sorted(set(chosen.tail) | set(np.flatnonzero(hopeless).tolist()))
@@ -1922,22 +1932,138 @@ class _Walker:
         return True
 
     def result(self) -> _Walk:
-        met, worth, switches, makespan = 0, 0.0, 0, 0.0
-        tab = self.tab
-        for g, lane in enumerate(self.lanes):
+        for lane in self.lanes:
             lane.kept = [k for k in lane.kept if not self.gone[k]]
-            order = lane.kept + lane.later
-            timing = _lane_times(tab, g, order)
-            switches += timing.switches
-            makespan = max(makespan, timing.end)
-            if not order:
-                continue
-            idx = np.asarray(order)
-            meets = timing.start + self.z * np.sqrt(timing.var) <= tab.lst[idx, g]
-            ok = ~tab.has_deadline[idx] | (~tab.prio[idx] & meets)
+        return _summarise(self.tab, self.values, self.z, self.lanes, self.tail)
+
+
+def _lane_met(tab: _Tables, g: int, order: list[int], z: float) -> tuple[_Timing, np.ndarray]:
+    """One queue's timing and which of its requests count as met (no deadline, or predicted
+    to meet at the z-quantile; a starving request is served first, not counted)."""
+    timing = _lane_times(tab, g, order)
+    if not order:
+        return timing, np.zeros(0, dtype=bool)
+    idx = np.asarray(order)
+    meets = timing.start + z * np.sqrt(timing.var) <= tab.lst[idx, g]
+    return timing, ~tab.has_deadline[idx] | (~tab.prio[idx] & meets)
+
+
+def _summarise(
+    tab: _Tables, values: np.ndarray, z: float, lanes: list[_Lane], tail: list[int]
+) -> _Walk:
+    """A candidate's score: requests (and value) predicted to meet, switches, makespan."""
+    met, worth, switches, makespan = 0, 0.0, 0, 0.0
+    for g, lane in enumerate(lanes):
+        order = lane.kept + lane.later
+        timing, ok = _lane_met(tab, g, order, z)
+        switches += timing.switches
+        makespan = max(makespan, timing.end)
+        if order:
             met += int(ok.sum())
-            worth += float(self.values[idx][ok].sum())
-        return _Walk(self.lanes, self.tail, met, worth, switches, makespan)
+            worth += float(values[np.asarray(order)][ok].sum())
+    return _Walk(lanes, tail, met, worth, switches, makespan)
+
+
+# Run moves tried per queue and replan, at most: a queue holds few runs, and each try costs
+# one vectorised timing of the queue
+CONSOLIDATE_TRIES = 64
+# its own time, as a share of the plan's improvement budget (which the phases before it may
+# have used up)
+CONSOLIDATE_BUDGET = 0.25
+
+
+def _consolidate(
+    walk: _Walk,
+    tab: _Tables,
+    priced: _Priced,
+    z: float,
+    budget_end: float,
+    clock: Callable[[], float],
+) -> _Walk:
+    """Fewer model loads at no predicted miss. Within a queue, a run of one model (its kept
+    requests in a row) moves to just before the next run of the same model, or to the end of
+    the kept work when none follows; across queues, a run joins the first run of its model on
+    another instance (merged in latest-start order). A move is taken when it saves a load
+    and every request met before still meets (its own requests wait longer; those of the
+    runs it leaves start earlier). The pass stops at CONSOLIDATE_TRIES tries per queue or at
+    ``budget_end``."""
+    lanes = [dataclasses.replace(lane, kept=list(lane.kept)) for lane in walk.lanes]
+    state = [_lane_met(tab, g, lane.kept + lane.later, z) for g, lane in enumerate(lanes)]
+
+    def met_of(g: int, order: list[int], ok: np.ndarray) -> dict[int, bool]:
+        return dict(zip(order + lanes[g].later, ok.tolist(), strict=True))
+
+    def runs_of(order: list[int]) -> list[tuple[int, int, int]]:
+        """(model, first, end) of each run of a kept order."""
+        if not order:
+            return []
+        mi = tab.model_idx[np.asarray(order)]
+        cuts = np.flatnonzero(mi[1:] != mi[:-1]) + 1
+        starts = np.concatenate(([0], cuts)).tolist()
+        ends = [*cuts.tolist(), len(order)]
+        return [(int(mi[a]), a, b) for a, b in zip(starts, ends, strict=True)]
+
+    def still_met(before: dict[int, bool], after: dict[int, bool]) -> bool:
+        return all(after[k] for k, was in before.items() if was)
+
+    # within each queue
+    for g, lane in enumerate(lanes):
+        tries = 0
+        moved = True
+        while moved and tries < CONSOLIDATE_TRIES and clock() <= budget_end:
+            moved = False
+            order = lane.kept
+            runs = runs_of(order)
+            for r, (m, a, b) in enumerate(runs[:-1]):
+                if tries >= CONSOLIDATE_TRIES:
+                    break
+                nxt = next((c for mm, c, _ in runs[r + 1 :] if mm == m), len(order))
+                cand = order[:a] + order[b:nxt] + order[a:b] + order[nxt:]
+                tries += 1
+                t2, ok2 = _lane_met(tab, g, cand + lane.later, z)
+                if t2.switches >= state[g][0].switches or not still_met(
+                    met_of(g, order, state[g][1]), met_of(g, cand, ok2)
+                ):
+                    continue
+                lane.kept, state[g] = cand, (t2, ok2)
+                moved = True
+                break
+    # across queues: a run into a run of its model elsewhere (same model, same eligibility)
+    for g, lane in enumerate(lanes):
+        tries = 0
+        moved = True
+        while moved and tries < CONSOLIDATE_TRIES and clock() <= budget_end:
+            moved = False
+            for m, a, b in runs_of(lane.kept):
+                run = lane.kept[a:b]
+                for h, other in enumerate(lanes):
+                    if h == g or tries >= CONSOLIDATE_TRIES:
+                        continue
+                    there = [(c, e) for mm, c, e in runs_of(other.kept) if mm == m]
+                    if not there or not np.isfinite(tab.lst[np.asarray(run), h]).all():
+                        continue
+                    c, e = there[0]
+                    tries += 1
+                    g_order = lane.kept[:a] + lane.kept[b:]
+                    # into its first run of the model there, in latest-start order
+                    joined = sorted(other.kept[c:e] + run, key=lambda k: tab.lst[k, h])
+                    h_order = other.kept[:c] + joined + other.kept[e:]
+                    tg, okg = _lane_met(tab, g, g_order + lane.later, z)
+                    th, okh = _lane_met(tab, h, h_order + other.later, z)
+                    saved = state[g][0].switches + state[h][0].switches
+                    if tg.switches + th.switches >= saved:
+                        continue
+                    before = met_of(g, lane.kept, state[g][1]) | met_of(h, other.kept, state[h][1])
+                    after = met_of(g, g_order, okg) | met_of(h, h_order, okh)
+                    if not still_met(before, after):
+                        continue
+                    lane.kept, other.kept = g_order, h_order
+                    state[g], state[h] = (tg, okg), (th, okh)
+                    moved = True
+                    break
+                if moved:
+                    break
+    return _summarise(tab, priced.value, z, lanes, walk.tail)
 
 
 def _runs(models: list[str], due: np.ndarray) -> list[tuple[str, float, float]]:

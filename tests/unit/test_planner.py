@@ -56,8 +56,9 @@ def test_never_below_edf_on_the_shared_yardstick(slo: str) -> None:
     edf = EDFPolicy().plan(reqs, insts, NOW)
     ours, theirs = (predicted_attainment(p, reqs, insts, NOW) for p in (plan, edf))
     assert ours >= theirs - 1e-9, (ours, theirs)
-    # and by the planner's own estimator: the chosen plan is the best candidate
-    assert plan.meta["predicted_met"] == max(plan.meta["candidates"].values())
+    # and by the planner's own estimator: the chosen plan is the best candidate (run
+    # consolidation after the choice only keeps or adds predicted meets)
+    assert plan.meta["predicted_met"] >= max(plan.meta["candidates"].values())
     if slo == "tight":
         assert ours > theirs  # the overloaded case is where grouping and ordering pay off
         scale = plan.meta["scale_up"]
@@ -191,6 +192,55 @@ def test_model_switches_are_grouped_not_thrashed() -> None:
     models = [r.model for rid in plan.queues["i0"] for r in reqs if r.request_id == rid]
     switches = sum(a != b for a, b in zip(models, models[1:], strict=False))
     assert switches <= 2 and plan.meta["feasible"]
+
+
+def _lane_switches(plan_queues: dict[str, list[str]], reqs: list[PlanRequest]) -> int:
+    model = {r.request_id: r.model for r in reqs}
+    return sum(
+        sum(a != b for a, b in zip(ms, ms[1:], strict=False))
+        for ms in ([model[rid] for rid in q] for q in plan_queues.values())
+    )
+
+
+def test_a_rare_models_runs_are_consolidated_at_no_predicted_miss() -> None:
+    """Two busy instances serving a busy model and a rare one with a minute between its
+    requests' deadlines: request-level EDF puts the rare model's requests on both instances (a
+    load there and back on each); consolidation moves them into one run on one instance, and
+    every request predicted to meet still meets."""
+    busy, rare = "mistral-7b", "vicuna-13b"
+    reqs = [
+        PlanRequest(f"b{i}", busy, 300, 300, NOW, NOW + 30 + 0.5 * i, None, seq=i)
+        for i in range(600)
+    ]
+    reqs += [
+        PlanRequest(f"t{i}", rare, 300, 300, NOW, NOW + 40 + 60 * i, None, seq=1000 + i)
+        for i in range(4)
+    ]
+    insts = [
+        PlanInstance(f"i{k}", (busy, rare), "A100-80GB", 60_000, 256, active_model=busy)
+        for k in range(2)
+    ]
+    # the request-level EDF candidate only (the group plan may group them itself)
+    off = QLMPolicy(group_candidates=False, consolidate_runs=False).plan(reqs, insts, NOW)
+    on = QLMPolicy(group_candidates=False).plan(reqs, insts, NOW)
+    assert on.meta["predicted_met"] >= off.meta["predicted_met"]
+    assert on.meta["switches"] < off.meta["switches"], (on.meta, off.meta)
+    assert on.meta["consolidated"] == off.meta["switches"] - on.meta["switches"]
+    # the queues handed out are the plan's: fewer switches in them too
+    assert _lane_switches(on.queues, reqs) < _lane_switches(off.queues, reqs)
+    [lane] = [q for q in on.queues.values() if any(rid.startswith("t") for rid in q)]
+    assert [rid for rid in lane if rid.startswith("t")] == ["t0", "t1", "t2", "t3"]  # one run
+
+
+@settings(max_examples=15, deadline=None)
+@given(seed=st.integers(0, 10_000), slo=st.sampled_from(["tight", "loose"]))
+def test_consolidation_never_loses_a_predicted_meet_nor_adds_a_switch(seed: int, slo: str) -> None:
+    reqs, insts = build_queue(300, 4, slo, seed), build_instances(4)
+    off = QLMPolicy(consolidate_runs=False).plan(reqs, insts, NOW)
+    on = QLMPolicy().plan(reqs, insts, NOW)
+    assert on.meta["predicted_met"] >= off.meta["predicted_met"]
+    assert on.meta["switches"] <= off.meta["switches"]
+    assert sorted(on.assigned_ids()) == sorted(off.assigned_ids())
 
 
 def test_heterogeneous_instances_get_their_own_estimates() -> None:
