@@ -55,6 +55,34 @@ def test_ablation_judges_each_lso_by_more_than_one_sd():
     assert "sd 3.0" in summary["checks"][0]["measured"]
 
 
+def test_an_lso_with_nothing_to_act_on_is_not_judged():
+    """Warm start on a one-model scenario loads nothing with it or without it: not judged
+    there (it is where models switch); one that did act is judged as before."""
+    default = {"warm_start": True, "eviction": False}
+    summary = {
+        "scenario": "wb-ablation",
+        "sweep": {
+            "values": [default, {**default, "warm_start": False}, {**default, "eviction": True}],
+            "variants": ["default", "no warm start", "+ eviction"],
+        },
+        "policies": {
+            "qlm": {
+                "slo_attainment": [0.80, 0.80, 0.80],
+                "throughput_rps": [2.0, 2.0, 2.0],
+                "model_swaps": [0.0, 0.0, 0.0],
+                "evictions": [0.0, 0.0, 12.0],
+            },
+        },
+    }
+    evaluate(summary)
+    warm, evict = summary["checks"]
+    assert warm["met"] and "not judged" in warm["target"]
+    assert evict["met"] and "stays off rightly" in evict["target"]  # it acted: judged
+    summary["policies"]["qlm"]["model_swaps"] = [3.0, 9.0, 3.0]  # models switch: judged
+    evaluate(summary)
+    assert not summary["checks"][0]["met"] and "pays" in summary["checks"][0]["target"]
+
+
 def test_hetero_checks_only_the_mixed_clusters():
     def pools(a10: int) -> list[dict]:
         return [{"gpu": "A10", "count": a10}, {"gpu": "A100-80GB", "count": 6 - a10}]

@@ -156,9 +156,14 @@ def check_ablation(summary: Mapping[str, Any]) -> list[Check]:
     labels = _labels(summary)
     if not att:
         return out
+    values = (summary.get("sweep") or {}).get("values") or []
     for k in range(1, len(att)):
         d_att, d_thr = att[k] - att[0], thr[k] - thr[0]
         sd_att, sd_thr = max(att_sd[0], att_sd[k]), max(thr_sd[0], thr_sd[k])
+        idle = _idle_lso(summary, values, k)
+        if idle is not None:
+            out.append((f"{labels[k]}: {idle[0]}", idle[1], True))
+            continue
         if str(labels[k]).startswith("+"):
             what = "stays off rightly: raises neither attainment nor throughput by > 1 sd"
             ok = d_att <= sd_att + 1e-9 and d_thr <= sd_thr + 1e-9
@@ -174,6 +179,31 @@ def check_ablation(summary: Mapping[str, Any]) -> list[Check]:
             )
         )
     return out
+
+
+# An LSO's activity counter in a run's metrics: where it is 0 with the LSO on and off, the LSO
+# had nothing to act on in the scenario (warm start on one model loads nothing), so removing
+# or adding it cannot change anything and is not judged there
+_LSO_ACTS = {"warm_start": "model_swaps", "eviction": "evictions", "swap": "kv_swaps"}
+
+
+def _idle_lso(summary: Mapping[str, Any], values: list[Any], k: int) -> tuple[str, str] | None:
+    """(what, detail) when variant k differs from the default (variant 0) in one LSO that had
+    nothing to act on in either run; else None."""
+    if k >= len(values) or not isinstance(values[0], Mapping):
+        return None
+    changed = [lso for lso in values[0] if values[0].get(lso) != values[k].get(lso)]
+    if len(changed) != 1 or changed[0] not in _LSO_ACTS:
+        return None
+    counter = _LSO_ACTS[changed[0]]
+    acts = _series(summary, "qlm", counter)
+    if len(acts) <= k or acts[0] or acts[k]:
+        return None
+    return (
+        "does not act here (not judged)",
+        f"{counter} 0 with it and without it: nothing for it to act on in this scenario; "
+        "judged where it does",
+    )
 
 
 def check_rct(summary: Mapping[str, Any]) -> list[Check]:
