@@ -550,6 +550,11 @@ class HttpEngine(EngineBackend):
                             # the server aborted it (sleep, shutdown, its own limits)
                             raise _Failed("the server aborted the request", True)
                         return "stop" if reason != "length" else "length"
+                # Lines the server sent together are read without a suspension: the token
+                # publisher (which batches every few ms) would get the first tokens only with
+                # the last, and the client the whole answer as one burst. Let it run between
+                # events.
+                await asyncio.sleep(0)
         raise _Failed("the stream ended without a finish reason", True)
 
     def _on_chunk(self, live: _Live, choice: Mapping[str, Any]) -> None:
