@@ -1975,6 +1975,10 @@ CONSOLIDATE_TRIES = 64
 # its own time, as a share of the plan's improvement budget (which the phases before it may
 # have used up)
 CONSOLIDATE_BUDGET = 0.25
+# and at most this many request timings over all its tries: a try times whole queues, and the
+# clock is read between moves, not between tries (a deterministic bound on one plan's cost,
+# ~0.5 s here; the simulator's queues stay far below it)
+CONSOLIDATE_WORK = 400_000
 
 
 def _consolidate(
@@ -1990,10 +1994,11 @@ def _consolidate(
     the kept work when none follows; across queues, a run joins the first run of its model on
     another instance (merged in latest-start order). A move is taken when it saves a load
     and every request met before still meets (its own requests wait longer; those of the
-    runs it leaves start earlier). The pass stops at CONSOLIDATE_TRIES tries per queue or at
-    ``budget_end``."""
+    runs it leaves start earlier). The pass stops at CONSOLIDATE_TRIES tries per queue, at
+    CONSOLIDATE_WORK request timings or at ``budget_end``."""
     lanes = [dataclasses.replace(lane, kept=list(lane.kept)) for lane in walk.lanes]
     state = [_lane_met(tab, g, lane.kept + lane.later, z) for g, lane in enumerate(lanes)]
+    work = 0  # request timings spent (CONSOLIDATE_WORK)
 
     def met_of(g: int, order: list[int], ok: np.ndarray) -> dict[int, bool]:
         return dict(zip(order + lanes[g].later, ok.tolist(), strict=True))
@@ -2020,11 +2025,12 @@ def _consolidate(
             order = lane.kept
             runs = runs_of(order)
             for r, (m, a, b) in enumerate(runs[:-1]):
-                if tries >= CONSOLIDATE_TRIES:
+                if tries >= CONSOLIDATE_TRIES or work > CONSOLIDATE_WORK:
                     break
                 nxt = next((c for mm, c, _ in runs[r + 1 :] if mm == m), len(order))
                 cand = order[:a] + order[b:nxt] + order[a:b] + order[nxt:]
                 tries += 1
+                work += len(cand) + len(lane.later)
                 t2, ok2 = _lane_met(tab, g, cand + lane.later, z)
                 if t2.switches >= state[g][0].switches or not still_met(
                     met_of(g, order, state[g][1]), met_of(g, cand, ok2)
@@ -2042,13 +2048,14 @@ def _consolidate(
             for m, a, b in runs_of(lane.kept):
                 run = lane.kept[a:b]
                 for h, other in enumerate(lanes):
-                    if h == g or tries >= CONSOLIDATE_TRIES:
+                    if h == g or tries >= CONSOLIDATE_TRIES or work > CONSOLIDATE_WORK:
                         continue
                     there = [(c, e) for mm, c, e in runs_of(other.kept) if mm == m]
                     if not there or not np.isfinite(tab.lst[np.asarray(run), h]).all():
                         continue
                     c, e = there[0]
                     tries += 1
+                    work += len(lane.kept) + len(other.kept) + len(lane.later) + len(other.later)
                     g_order = lane.kept[:a] + lane.kept[b:]
                     # into its first run of the model there, in latest-start order
                     joined = sorted(other.kept[c:e] + run, key=lambda k: tab.lst[k, h])

@@ -330,6 +330,26 @@ async def _renew_after_nack(exchange: AbstractExchange) -> None:
     log.warning("publish_channel_reopened_after_nack", exchange=exchange.name)
 
 
+# what publish_confirmed catches: the republishable failures, and the two a closed channel
+# raises (republished only when the channel was closed under the publish)
+_REPUBLISHABLE_OR_CLOSED: tuple[type[BaseException], ...] = (
+    *REPUBLISHABLE,
+    asyncio.CancelledError,
+    aiormq.exceptions.ChannelClosed,
+)
+
+
+def _closed_under_publish(exc: BaseException) -> bool:
+    """The channel of a publish in flight was closed (a renewal after a nack on another publish
+    of this channel, or the robust connection's own close): aiormq rejects the pending confirm
+    with its default close reason, ``CancelledError``, or a bare ``ChannelClosed`` (close-ok).
+    Not a cancellation of the publishing task itself, which must propagate."""
+    if isinstance(exc, asyncio.CancelledError):
+        task = asyncio.current_task()
+        return task is not None and task.cancelling() == 0
+    return type(exc) is aiormq.exceptions.ChannelClosed
+
+
 async def publish_confirmed(
     connection: AbstractRobustConnection,
     exchange: AbstractExchange,
@@ -346,7 +366,8 @@ async def publish_confirmed(
     the only way to know it did is to publish it again and let the consumer drop the copy (by
     its request id or reply id). So on a connection loss or a nack this waits for the robust
     connection to come back and publishes the same message again, for up to ``within_s``
-    seconds, then raises the last error. A returned (unroutable) message raises at once.
+    seconds, then raises the last error. The same when its channel is closed under it
+    (:func:`_closed_under_publish`). A returned (unroutable) message raises at once.
 
     ``renew_on_nack``: after a nack, reopen the channel before publishing again (see
     :func:`_renew_after_nack`); for a channel whose other users tolerate that (its consumers
@@ -360,7 +381,9 @@ async def publish_confirmed(
             return
         except aiormq.exceptions.PublishError:
             raise
-        except REPUBLISHABLE as exc:
+        except _REPUBLISHABLE_OR_CLOSED as exc:
+            if not isinstance(exc, REPUBLISHABLE) and not _closed_under_publish(exc):
+                raise
             left = deadline - time.monotonic()
             if left <= 0:
                 raise

@@ -265,7 +265,14 @@ def _result(
     sent = sum(x.n for x in loads)
     failed = sum(x.publish_failures for x in loads)
     if failed:
-        notes.append(f"{failed} requests never confirmed by the broker (counted as lost)")
+        why: dict[str, int] = {}
+        for x in loads:
+            for k, n in x.publish_errors.items():
+                why[k] = why.get(k, 0) + n
+        notes.append(
+            f"{failed} requests never confirmed by the broker (counted as lost): "
+            + "; ".join(f"{n} x {k}" for k, n in sorted(why.items()))
+        )
     if fault_at is not None:
         back = recovery_time(load.reply_times(), fault_at)
         notes.append(

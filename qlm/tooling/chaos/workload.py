@@ -35,6 +35,8 @@ class ChaosLoad:
     futures: list[asyncio.Future[Reply]] = field(default_factory=list)
     published_at: float = 0.0
     publish_failures: int = 0
+    # why the client gave up publishing: "ExceptionType: message" -> how many
+    publish_errors: dict[str, int] = field(default_factory=dict)
     # stream: true - every request's tokens are read as they come (QlmClient.open_stream)
     stream: bool = False
     pieces: dict[str, list[StreamPiece]] = field(default_factory=dict)
@@ -79,6 +81,10 @@ class ChaosLoad:
 
         done = await asyncio.gather(*(one(i) for i in range(self.n)), return_exceptions=True)
         self.futures = [f for f in done if isinstance(f, asyncio.Future)]
+        for f in done:
+            if isinstance(f, BaseException):
+                why = f"{type(f).__name__}: {str(f)[:80]}"
+                self.publish_errors[why] = self.publish_errors.get(why, 0) + 1
         self.publish_failures = self.n - len(self.futures)
         self.published_at = time.time()
 
