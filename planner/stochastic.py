@@ -1976,8 +1976,8 @@ CONSOLIDATE_TRIES = 64
 # have used up)
 CONSOLIDATE_BUDGET = 0.25
 # and at most this many request timings over all its tries: a try times whole queues, and the
-# clock is read between moves, not between tries (a deterministic bound on one plan's cost,
-# ~0.5 s here; the simulator's queues stay far below it)
+# clock is read between moves, not between tries (a deterministic bound on one plan's cost;
+# the simulator's queues stay far below it)
 CONSOLIDATE_WORK = 400_000
 
 
