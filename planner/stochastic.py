@@ -2051,7 +2051,8 @@ def _consolidate(
                     if h == g or tries >= CONSOLIDATE_TRIES or work > CONSOLIDATE_WORK:
                         continue
                     there = [(c, e) for mm, c, e in runs_of(other.kept) if mm == m]
-                    if not there or not np.isfinite(tab.lst[np.asarray(run), h]).all():
+                    # served there (the walks' eligibility: a finite occupancy)
+                    if not there or not np.isfinite(tab.occ[np.asarray(run), h]).all():
                         continue
                     c, e = there[0]
                     tries += 1

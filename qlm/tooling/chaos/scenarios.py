@@ -265,10 +265,7 @@ def _result(
     sent = sum(x.n for x in loads)
     failed = sum(x.publish_failures for x in loads)
     if failed:
-        why: dict[str, int] = {}
-        for x in loads:
-            for k, n in x.publish_errors.items():
-                why[k] = why.get(k, 0) + n
+        why = sum((x.publish_errors for x in loads), Counter[str]())
         notes.append(
             f"{failed} requests never confirmed by the broker (counted as lost): "
             + "; ".join(f"{n} x {k}" for k, n in sorted(why.items()))
@@ -280,10 +277,7 @@ def _result(
             if back is None
             else f"replies back at half their earlier rate {back:.1f} s after the fault"
         )
-    codes: dict[str, int] = {}
-    for x in loads:
-        for code, n in x.error_codes().items():
-            codes[code] = codes.get(code, 0) + n
+    codes = sum((x.error_codes() for x in loads), Counter[str]())
     if codes:
         notes.append("error replies: " + "; ".join(f"{n} x {c}" for c, n in sorted(codes.items())))
     if in_flight < 1000:

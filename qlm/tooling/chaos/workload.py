@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -36,7 +37,7 @@ class ChaosLoad:
     published_at: float = 0.0
     publish_failures: int = 0
     # why the client gave up publishing: "ExceptionType: message" -> how many
-    publish_errors: dict[str, int] = field(default_factory=dict)
+    publish_errors: Counter[str] = field(default_factory=Counter)
     # stream: true - every request's tokens are read as they come (QlmClient.open_stream)
     stream: bool = False
     pieces: dict[str, list[StreamPiece]] = field(default_factory=dict)
@@ -81,10 +82,9 @@ class ChaosLoad:
 
         done = await asyncio.gather(*(one(i) for i in range(self.n)), return_exceptions=True)
         self.futures = [f for f in done if isinstance(f, asyncio.Future)]
-        for f in done:
-            if isinstance(f, BaseException):
-                why = f"{type(f).__name__}: {str(f)[:80]}"
-                self.publish_errors[why] = self.publish_errors.get(why, 0) + 1
+        self.publish_errors = Counter(
+            f"{type(f).__name__}: {str(f)[:80]}" for f in done if isinstance(f, BaseException)
+        )
         self.publish_failures = self.n - len(self.futures)
         self.published_at = time.time()
 
@@ -139,17 +139,11 @@ class ChaosLoad:
         return self.client.duplicate_count()
 
     def errors(self) -> int:
-        return sum(
-            1
-            for f in self.futures
-            if f.done()
-            and not f.cancelled()
-            and (f.exception() is not None or not isinstance(f.result(), ResultMessage))
-        )
+        return sum(self.error_codes().values())
 
-    def error_codes(self) -> dict[str, int]:
+    def error_codes(self) -> Counter[str]:
         """How many error replies (or client-side failures) there were of each code."""
-        counts: dict[str, int] = {}
+        counts: Counter[str] = Counter()
         for f in self.futures:
             if not f.done() or f.cancelled():
                 continue
@@ -161,7 +155,7 @@ class ChaosLoad:
                 if isinstance(reply, ResultMessage):
                     continue
                 key = f"{reply.code}: {reply.message[:80]}"
-            counts[key] = counts.get(key, 0) + 1
+            counts[key] += 1
         return counts
 
     def reply_times(self) -> list[float]:
