@@ -461,6 +461,9 @@ class QLMPolicy(QueuePolicy):
         self._shots: set[str] = set()  # long shots admitted, still queued
         self._bound_at: dict[str, float] = {}  # model -> when a plan last saw latency-bound work
         self._ttft_at = -math.inf  # when a plan last saw work with a TTFT SLO of seconds
+        # instance id -> when the cap the last plan set there lapses unless a plan sees
+        # latency-bound work of its model again (lapsed_caps)
+        self._cap_lapse: dict[str, float] = {}
 
     # ------------------------------------------------------------------ interface
     def sort_key(self, request: PlanRequest) -> tuple[Any, ...]:
@@ -592,6 +595,16 @@ class QLMPolicy(QueuePolicy):
         if self._violation:
             return True
         return now - self._planned_at > self.config.max_plan_age_s and self._arrivals_since_plan > 0
+
+    def lapsed_caps(self, now: float) -> list[str]:
+        """A cap costs throughput: once no plan has seen latency-bound work of its model for
+        CAP_HOLD_S it goes, plan or not (plans need arrivals and queued work; a drain after
+        the last latency-bound arrival ran capped to its end). Lifting it needs no replan,
+        which would reshuffle the queues and model runs for nothing."""
+        gone = [iid for iid, until in self._cap_lapse.items() if now > until]
+        for iid in gone:
+            del self._cap_lapse[iid]
+        return gone
 
     def place(
         self,
@@ -1580,6 +1593,7 @@ class QLMPolicy(QueuePolicy):
           most ``cap_load_max`` of the capped instance, and
         * every kept request of its queue meeting its deadline at the capped speed."""
         caps: dict[int, int] = {}
+        self._cap_lapse = {}
         n_live = len(live)
         if not n_live:
             return caps
@@ -1667,6 +1681,7 @@ class QLMPolicy(QueuePolicy):
                 chosen = b
             if chosen is not None:
                 caps[g] = chosen
+                self._cap_lapse[inst.instance_id] = self._bound_at[model] + CAP_HOLD_S
         return caps
 
     def _scale_up(self, p: GroupProblem, live: list[PlanInstance], until: float) -> dict[str, Any]:

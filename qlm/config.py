@@ -34,7 +34,8 @@ class Settings(BaseSettings):
     shards: int = Field(default=2, ge=1, le=64, description="global queue shards")
     # unacked deliveries the coordinator holds per shard (its view of the backlog)
     prefetch_per_shard: int = Field(default=65535, ge=1, le=65535)
-    # deliveries of one message before the broker dead-letters it (poison messages)
+    # deliveries of one message before the broker dead-letters it (poison messages); a request
+    # taken in is refreshed at half of it, so connection losses alone do not wear it out
     delivery_limit: int = Field(default=20, ge=1)
     # largest request body accepted (bytes); larger ones are refused with an error reply
     max_body_bytes: int = Field(default=1_048_576, ge=1024)

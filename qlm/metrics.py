@@ -295,6 +295,12 @@ class CoordinatorMetrics:
             "Copies of a request id published while it was tracked: acked at once, not run",
             registry=r,
         )
+        self._refreshed = Counter(
+            f"{namespace}_deliveries_refreshed",
+            "Requests republished as a fresh copy because connection losses wore their "
+            "delivery count toward the quorum queue's delivery limit",
+            registry=r,
+        )
         self._answered_again = Counter(
             f"{namespace}_answered_again",
             "Requests answered from the durable answer record instead of being run again, by "
@@ -478,6 +484,9 @@ class CoordinatorMetrics:
 
     def observe_duplicate(self) -> None:
         self._duplicates.inc()
+
+    def observe_refreshed(self) -> None:
+        self._refreshed.inc()
 
     def observe_answered_again(self, reason: str) -> None:
         self._answered_again.labels(reason=reason).inc()

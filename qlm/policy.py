@@ -235,6 +235,12 @@ class QueuePolicy(ABC):
         SLO violation, or the last plan is too old). Simple policies never ask."""
         return False
 
+    def lapsed_caps(self, now: float) -> list[str]:
+        """Instances whose batch cap (``InstanceLSO.max_in_engine`` of the last plan) has lost
+        its reason by ``now`` and is to be lifted without waiting for a plan; each is named
+        once. Policies that set no caps name none."""
+        return []
+
     def stale_key(
         self, request: PlanRequest, key: tuple[Any, ...], instance_id: str, now: float
     ) -> tuple[Any, ...] | None:

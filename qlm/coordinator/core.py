@@ -1103,6 +1103,20 @@ class CoordinatorCore:
             orders.append(BatchCapOrder(iid, inst.info.agent_id, cap))
         return orders
 
+    def lapsed_cap_orders(self, now: float) -> list[BatchCapOrder]:
+        """Orders lifting the caps the policy says have lost their reason since its last plan
+        (:meth:`QueuePolicy.lapsed_caps`); asked on the caller's periodic tick."""
+        orders: list[BatchCapOrder] = []
+        if self.planning:  # the policy is a plan's, elsewhere, until it is adopted
+            return orders
+        for iid in self.policy.lapsed_caps(now):
+            inst = self.instances.get(iid)
+            if inst is None or inst.status != "alive" or inst.cap_sent is None:
+                continue
+            inst.cap_sent = None
+            orders.append(BatchCapOrder(iid, inst.info.agent_id, None))
+        return orders
+
     def excuse_silence(self, now: float) -> None:
         """The coordinator could not hear heartbeats until ``now`` (its own broker connection
         was down): every instance not lost counts as seen now, and has the whole heartbeat

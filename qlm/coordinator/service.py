@@ -19,6 +19,7 @@ from typing import Any
 
 import aio_pika
 import structlog
+import yarl
 from aio_pika.abc import (
     AbstractChannel,
     AbstractExchange,
@@ -49,6 +50,7 @@ from qlm.control import (
     ServedModels,
     to_coordinator_adapter,
 )
+from qlm.coordinator import refresh
 from qlm.coordinator.core import (
     CAP_UNKNOWN,
     AdmissionLimits,
@@ -175,6 +177,10 @@ class Coordinator:
         unserved_model_grace_s: float | None = None,
     ) -> None:
         self.amqp_url = amqp_url
+        # acks of global-queue deliveries in flight, by id(message) (_ack_once)
+        self._acks: dict[int, asyncio.Future[None]] = {}
+        # the broker user this coordinator publishes as: its refreshed copies carry it
+        self._own_user = yarl.URL(amqp_url).user or "guest"
         # A request for a model no live instance serves: refused `model_not_served` after this
         # hold (0: at once). None turns the rule off: such requests wait in the queue, as a
         # library user embedding the coordinator may want; `qlm coordinator` sets 0.
@@ -408,8 +414,13 @@ class Coordinator:
         if isinstance(req, CancelMessage):
             await self._on_cancel(req, message)
             return
+        # the coordinator's own copy of a request whose delivery count it refreshed: a
+        # redelivery, and its producer's user is the one it carries (qlm/coordinator/refresh.py)
+        refreshes = refresh.refreshes_of(message, self._own_user)
+        producer = _user_id(message) if refreshes is None else refresh.original_user(message)
+        redelivered = bool(message.redelivered) or refreshes is not None
         try:  # who sent it, and may its reply go where it asks
-            tenant = self.identity.tenant_of(req.tenant, _user_id(message), req.request_id)
+            tenant = self.identity.tenant_of(req.tenant, producer, req.request_id)
             self.identity.check_reply_to(message.reply_to, tenant, req.request_id)
         except InvalidRequest as bad:
             await self._reject(message, bad, now)
@@ -417,7 +428,7 @@ class Coordinator:
         if tenant != req.tenant:
             req = req.model_copy(update={"tenant": tenant})
         rid = req.request_id
-        if rid not in self.core.requests and (message.redelivered or rid in self.core.answered):
+        if rid not in self.core.requests and (redelivered or rid in self.core.answered):
             # answered before (by this coordinator, or by one that died before the ack)
             try:
                 stored = await self.store.answers.lookup(rid)
@@ -440,15 +451,24 @@ class Coordinator:
             if hold_until is not None and hold_until <= now:
                 await self._reject(message, self._not_served(req.model, req.request_id), now, req)
                 return
+        held = self.core.requests.get(req.request_id)
+        previous = held.delivery if held is not None else None
         tracked, outcome = self.core.admit(
             req,
             message,
             reply_to=message.reply_to,
             correlation_id=message.correlation_id,
             received_at=now,
-            redelivered=bool(message.redelivered),
+            redelivered=redelivered,
             result_held=req.request_id in self._orphans,
         )
+        if outcome == "redelivered" and previous is not None and previous is not message:
+            # The new delivery holds the request now. The one it replaces is gone with its
+            # channel (a broker redelivery: this ack fails, locally) or, beside a refreshed
+            # copy, still unacked on a live channel: settled, so one copy is left.
+            self._spawn(self._ack_quietly(previous))
+        if outcome in ("new", "redelivered") and tracked is not None:
+            self._refresh_if_worn(message, refreshes or 0, producer)
         if outcome == "answered":
             # Already replied (an ack was lost): settle the copy without a second reply.
             await message.ack()
@@ -510,6 +530,56 @@ class Coordinator:
             if self.core.replan_wanted(now):
                 self._schedule_replan()
         self._pump()
+
+    def _refresh_if_worn(
+        self, message: AbstractIncomingMessage, refreshes: int, producer: str | None
+    ) -> None:
+        """A tracked request whose delivery the broker has returned many times (connection
+        losses count toward the delivery limit on RabbitMQ 3.x) gets a fresh copy before the
+        limit dead-letters it (qlm/coordinator/refresh.py)."""
+        if refreshes >= refresh.MAX_REFRESHES:
+            return
+        if refresh.broker_count(message) < refresh.refresh_threshold(self.delivery_limit):
+            return
+        self._spawn(self._refresh(message, refreshes + 1, producer))
+
+    async def _refresh(
+        self, message: AbstractIncomingMessage, refreshes: int, producer: str | None
+    ) -> None:
+        assert self._pub is not None and self._conn is not None
+        rid = clean_message_id(message)
+        copy = refresh.fresh_copy(
+            message, refreshes=refreshes, own_user=self._own_user, producer_user=producer
+        )
+        try:
+            exchange = (
+                await self._pub.get_exchange(message.exchange, ensure=False)
+                if message.exchange
+                else self._pub.default_exchange
+            )
+            # a confirm lost with the connection: published again (a second copy is settled
+            # when it arrives, like the first)
+            await qlm_amqp.publish_confirmed(
+                self._conn,
+                exchange,
+                copy,
+                message.routing_key or "",
+                within_s=REPLY_REPUBLISH_S,
+            )
+        except Exception as exc:  # the worn delivery stays; its next redelivery tries again
+            log.warning("refresh_failed", request_id=rid, error=repr(exc)[:200])
+            return
+        # The copy is on disk: it holds the request now (it arrives as a redelivery and takes
+        # over the handle, or finds the answer on record). The worn delivery goes, whether or
+        # not it is still the handle; one already acked with the answer fails here, locally.
+        await self._ack_quietly(message)
+        self.metrics.observe_refreshed()
+        log.info(
+            "delivery_refreshed",
+            request_id=rid,
+            count=refresh.broker_count(message),
+            refreshes=refreshes,
+        )
 
     async def _reject(
         self,
@@ -1246,11 +1316,29 @@ class Coordinator:
             with contextlib.suppress(Exception):
                 await held[1].ack()
 
+    async def _ack_once(self, message: AbstractIncomingMessage) -> None:
+        """Ack a global-queue delivery; callers at the same time share one ``basic.ack``.
+        aio-pika marks a message acked only once its ack is sent, so two tasks acking it
+        together (the answer and a refresh, say) would send its delivery tag twice, and the
+        broker closes the channel on an unknown tag, returning every other unacked delivery
+        on it (counted toward the delivery limit)."""
+        key = id(message)
+        pending = self._acks.get(key)
+        if pending is None:
+            pending = asyncio.ensure_future(message.ack())
+            self._acks[key] = pending
+            pending.add_done_callback(lambda _done: self._acks.pop(key, None))
+        await asyncio.shield(pending)
+
+    async def _ack_quietly(self, message: AbstractIncomingMessage) -> None:
+        with contextlib.suppress(Exception):
+            await self._ack_once(message)
+
     async def _ack_delivery(self, t: TrackedRequest) -> None:
         for _ in range(2):
             delivery = t.delivery
             try:
-                await delivery.ack()
+                await self._ack_once(delivery)
                 return
             except Exception:
                 # The channel that carried it is gone; if the broker already redelivered it,
@@ -1309,6 +1397,9 @@ class Coordinator:
             now = time.time()
             if self.core.replan_wanted(now):
                 self._schedule_replan()
+            lifted = self.core.lapsed_cap_orders(now)
+            if lifted:  # a cap whose reason lapsed goes without a replan
+                self._spawn(self._send_lso([], [], lifted))
             if lagged:
                 # This loop was blocked (e.g. a long replan): heartbeats that arrived meanwhile
                 # are still waiting in the broker. Judge liveness on the next tick, not now.

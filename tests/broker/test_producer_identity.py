@@ -21,6 +21,7 @@ import pytest
 from qlm.agents.agent import Agent
 from qlm.agents.sim import SimEngine
 from qlm.client import QlmClient
+from qlm.coordinator import refresh
 from qlm.coordinator.identity import IdentityMode, ProducerIdentity
 from qlm.coordinator.service import Coordinator
 from qlm.planner import create_policy
@@ -163,6 +164,33 @@ async def test_the_tenant_is_the_broker_user_and_cannot_be_claimed(
     letters = await _dead_letters(isolated_amqp_url, 2)
     assert letters["a-2"] == ErrorCode.TENANT_MISMATCH.value
     assert letters["anon"] == ErrorCode.IDENTITY_REQUIRED.value
+
+
+async def test_a_producer_cannot_pass_for_the_coordinators_refreshed_copy(
+    coordinator: Coordinator, tenants: dict[str, str]
+) -> None:
+    """A refreshed copy (qlm/coordinator/refresh.py) names its producer in a header; only the
+    coordinator's own broker user is believed to have written it. Alice writing it to speak
+    for bob still speaks for alice."""
+    alice = unquote(urlsplit(tenants["alice"]).username or "")
+    bob = unquote(urlsplit(tenants["bob"]).username or "")
+    async with await aio_pika.connect(tenants["alice"]) as conn:
+        ch = await conn.channel(publisher_confirms=True)
+        ingress = await ch.get_exchange(INGRESS_EXCHANGE, ensure=False)
+        await ingress.publish(
+            aio_pika.Message(
+                _req("as-bob").model_dump_json().encode(),
+                content_type=CONTENT_TYPE,
+                message_id="as-bob",
+                user_id=alice,
+                headers={refresh.REFRESHES_HEADER: 1, refresh.USER_HEADER: bob},
+            ),
+            routing_key="as-bob",
+        )
+    await _wait(lambda: "as-bob" in coordinator.core.answered, timeout=30)
+    await coordinator.store.flush()
+    row = await coordinator.store.get_request("as-bob")
+    assert row is not None and row["tenant"] == alice
 
 
 async def test_replies_never_go_to_another_tenant_s_queue(

@@ -8,7 +8,7 @@ import dataclasses
 from qlm.admission import PullAdmission
 from qlm.coordinator.core import CoordinatorCore, LSOSettings
 from qlm.planner import create_policy
-from qlm.planner.stochastic import CAP_MIN, QLMPolicy
+from qlm.planner.stochastic import CAP_HOLD_S, CAP_MIN, QLMPolicy
 from qlm.policy import InstanceLSO, Plan, PlanInstance, PlanRequest
 from tests.builders import heartbeat
 
@@ -117,6 +117,42 @@ def test_latency_bound_work_gets_a_smaller_batch() -> None:
     cap = _cap(pol, reqs, [_inst()])
     full = pol._hw(_inst(), MODEL, *pol._ctx[MODEL]).batch
     assert cap is not None and CAP_MIN <= cap < full
+
+
+def test_a_cap_is_lifted_once_its_reason_lapses_without_a_replan() -> None:
+    """No plan after the latency-bound work was served (a drain without arrivals): once
+    CAP_HOLD_S has passed the policy names the capped instance, once, and the core orders its
+    cap lifted; no replan is asked for."""
+    core = CoordinatorCore(QLMPolicy())
+    core.on_heartbeat(heartbeat("a"), NOW)
+    iid = "a-gpu0"
+    assert [o.max_in_engine for o in core.cap_orders(_plan(48))] == [48]
+    pol = core.policy
+    assert isinstance(pol, QLMPolicy)
+    pol._cap_lapse = {iid: NOW + CAP_HOLD_S}
+    assert core.lapsed_cap_orders(NOW + 1.0) == []  # its reason is fresh
+    later = NOW + CAP_HOLD_S + 1.0
+    orders = core.lapsed_cap_orders(later)
+    assert [(o.instance_id, o.max_in_engine) for o in orders] == [(iid, None)]
+    assert core.lapsed_cap_orders(later + 1.0) == []  # lifted once
+    assert not pol.wants_replan(later)
+
+
+def test_the_planner_names_the_instances_it_capped_and_when_their_caps_lapse() -> None:
+    pol = QLMPolicy()
+    reqs = [_req(f"chat{k}", 20.0, 400, seq=k) for k in range(4)]
+    batch = [_req(f"batch{k}", 600.0, 200, seq=10 + k) for k in range(20)]
+    assert _cap(pol, reqs + batch, [_inst()]) is not None
+    assert pol.lapsed_caps(NOW + CAP_HOLD_S - 1.0) == []
+    assert pol.lapsed_caps(NOW + CAP_HOLD_S + 1.0) == ["i0"]
+    assert pol.lapsed_caps(NOW + CAP_HOLD_S + 2.0) == []
+    # a plan within the hold keeps the cap and its lapse; a later one sets none, leaving
+    # nothing to lapse
+    assert _cap(pol, batch, [_inst()]) is not None
+    assert pol.lapsed_caps(NOW + CAP_HOLD_S + 1.0) == ["i0"]
+    later = NOW + CAP_HOLD_S + 1.0
+    assert pol.plan(batch, [_inst()], later).lso["i0"].max_in_engine is None
+    assert pol.lapsed_caps(later + 10 * CAP_HOLD_S) == []
 
 
 def test_work_with_slack_to_spare_is_not_capped() -> None:

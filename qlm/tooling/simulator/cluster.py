@@ -52,7 +52,7 @@ import structlog
 from qlm.admission import GATE_WINDOW, PullAdmission, SLOAdmissionGate, required_speed
 from qlm.chains import LateTaskRule
 from qlm.control import Completion, Evicted, Heartbeat, InstanceInfo, InstanceStatus
-from qlm.coordinator.core import CoordinatorCore, LSOSettings
+from qlm.coordinator.core import BatchCapOrder, CoordinatorCore, LSOSettings
 from qlm.coordinator.outcome import task_met
 from qlm.engine_model import EngineProfile, get_profile
 from qlm.policy import Plan, PlanRequest, QueuePolicy
@@ -515,6 +515,7 @@ class ClusterSimulator:
                     if payload.version == version:
                         self._step_done(payload)
                 elif kind == _TICK:
+                    self._lift_lapsed_caps()
                     self._maybe_replan()
                     if more:
                         self._push(t + self.config.replan_interval_s, _TICK)
@@ -850,6 +851,18 @@ class ClusterSimulator:
         self.agents.pop(iid, None)
 
     # ------------------------------------------------------------------ planning
+    def _lift_lapsed_caps(self) -> None:
+        for cap in self.core.lapsed_cap_orders(self.now):
+            self._apply_cap(cap)
+
+    def _apply_cap(self, cap: BatchCapOrder) -> None:
+        agent = self.agents.get(cap.instance_id)
+        if agent is not None and agent.cap != cap.max_in_engine:
+            agent.cap = cap.max_in_engine
+            inst = self.instances.get(cap.instance_id)
+            if inst is not None:
+                self._heartbeat(inst)  # the planner prices at the cap the agent applies
+
     def _maybe_replan(self) -> None:
         now = self.now
         if self._plan_pending or now - self._last_replan < self.config.replan_interval_s:
@@ -882,12 +895,7 @@ class ClusterSimulator:
         self.core.adopt_plan(plan, self.now)
         model_orders, evictions = self.core.lso_orders(plan)
         for cap in self.core.cap_orders(plan):
-            agent = self.agents.get(cap.instance_id)
-            if agent is not None and agent.cap != cap.max_in_engine:
-                agent.cap = cap.max_in_engine
-                inst = self.instances.get(cap.instance_id)
-                if inst is not None:
-                    self._heartbeat(inst)  # the planner prices at the cap the agent applies
+            self._apply_cap(cap)
         for mo in model_orders:
             inst = self.instances.get(mo.instance_id)
             if inst is not None:
