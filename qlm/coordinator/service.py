@@ -177,8 +177,8 @@ class Coordinator:
         unserved_model_grace_s: float | None = None,
     ) -> None:
         self.amqp_url = amqp_url
-        # acks of global-queue deliveries in flight, by id(message) (_ack_once)
-        self._acks: dict[int, asyncio.Future[None]] = {}
+        # acks of global-queue deliveries being sent, by id(message) (_ack_once)
+        self._acks: dict[int, asyncio.Event] = {}
         # the broker user this coordinator publishes as: its refreshed copies carry it
         self._own_user = yarl.URL(amqp_url).user or "guest"
         # A request for a model no live instance serves: refused `model_not_served` after this
@@ -1323,12 +1323,18 @@ class Coordinator:
         broker closes the channel on an unknown tag, returning every other unacked delivery
         on it (counted toward the delivery limit)."""
         key = id(message)
-        pending = self._acks.get(key)
-        if pending is None:
-            pending = asyncio.ensure_future(message.ack())
-            self._acks[key] = pending
-            pending.add_done_callback(lambda _done: self._acks.pop(key, None))
-        await asyncio.shield(pending)
+        sending = self._acks.get(key)
+        if sending is not None:  # another task is sending this very ack: wait for it
+            await sending.wait()
+            if not message.processed:
+                raise RuntimeError("the ack of this delivery failed")
+            return
+        sending = self._acks[key] = asyncio.Event()
+        try:  # the first caller sends it itself: no extra hop on the answer's path
+            await message.ack()
+        finally:
+            del self._acks[key]
+            sending.set()
 
     async def _ack_quietly(self, message: AbstractIncomingMessage) -> None:
         with contextlib.suppress(Exception):

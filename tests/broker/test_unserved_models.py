@@ -124,6 +124,11 @@ async def test_grace_after_becoming_active_lets_agents_register_first(
             refused = await asyncio.wait_for(never, 5)  # refused once the grace is over
             assert isinstance(refused, ErrorMessage)
             assert refused.code == ErrorCode.MODEL_NOT_SERVED
+            # the reply goes out first, then its delivery is acked and the request dropped
+            for _ in range(100):
+                if not coord.core.requests and not coord._held_unserved:
+                    break
+                await asyncio.sleep(0.05)
             assert not coord.core.requests and not coord._held_unserved
     finally:
         await _stop(coord, agent)
