@@ -24,7 +24,7 @@ the same shard), and the worn delivery is acked. The copy starts at count 0. It 
 The copy is handled like a redelivery (an answered request is answered from the record, a
 tracked one swaps its delivery handle), never as a new request and never as a duplicate to
 ack at once: either way the request is held by exactly one unacked copy, and at most one reply
-goes out (docs/reliability.md, "Exactly once").
+goes out (docs/architecture.md, "Exactly-once replies").
 """
 
 from __future__ import annotations
