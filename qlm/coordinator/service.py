@@ -19,7 +19,6 @@ from typing import Any
 
 import aio_pika
 import structlog
-import yarl
 from aio_pika.abc import (
     AbstractChannel,
     AbstractExchange,
@@ -180,7 +179,7 @@ class Coordinator:
         # acks of global-queue deliveries being sent, by id(message) (_ack_once)
         self._acks: dict[int, asyncio.Event] = {}
         # the broker user this coordinator publishes as: its refreshed copies carry it
-        self._own_user = yarl.URL(amqp_url).user or "guest"
+        self._own_user = qlm_amqp.username_of(amqp_url)
         # A request for a model no live instance serves: refused `model_not_served` after this
         # hold (0: at once). None turns the rule off: such requests wait in the queue, as a
         # library user embedding the coordinator may want; `qlm coordinator` sets 0.
@@ -539,12 +538,13 @@ class Coordinator:
         limit dead-letters it (qlm/coordinator/refresh.py)."""
         if refreshes >= refresh.MAX_REFRESHES:
             return
-        if refresh.broker_count(message) < refresh.refresh_threshold(self.delivery_limit):
+        count = refresh.broker_count(message)
+        if count < refresh.refresh_threshold(self.delivery_limit):
             return
-        self._spawn(self._refresh(message, refreshes + 1, producer))
+        self._spawn(self._refresh(message, count, refreshes + 1, producer))
 
     async def _refresh(
-        self, message: AbstractIncomingMessage, refreshes: int, producer: str | None
+        self, message: AbstractIncomingMessage, count: int, refreshes: int, producer: str | None
     ) -> None:
         assert self._pub is not None and self._conn is not None
         rid = clean_message_id(message)
@@ -577,7 +577,7 @@ class Coordinator:
         log.info(
             "delivery_refreshed",
             request_id=rid,
-            count=refresh.broker_count(message),
+            count=count,
             refreshes=refreshes,
         )
 
