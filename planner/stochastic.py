@@ -449,6 +449,9 @@ class QLMPolicy(QueuePolicy):
         # between; the latest ones to leave an instance are what runs there now
         # id -> (iid, model, output, when, prompt); iid -> (model, output, left at, prompt)
         self._seen: dict[str, tuple[str, str, float, float, int]] = {}
+        # the bound on _seen: a plan keeps every request it queued (a backlog larger than
+        # ARRIVAL_KEYS_MAX must not be taken for work that left its queue)
+        self._seen_max = ARRIVAL_KEYS_MAX
         self._left: dict[str, deque[tuple[str, float, float, int]]] = {}
         self._tail_ranks: list[dict[str, int]] = []  # per instance: model -> its tail run
         # long shots spend only the capacity sure work leaves: the occupancy of sure arrivals
@@ -755,9 +758,9 @@ class QLMPolicy(QueuePolicy):
         return self.config.long_shot_borrow * self._sure_slos[0][1]
 
     def _remember(self, r: PlanRequest, iid: str, out: float, now: float) -> None:
-        if len(self._seen) >= ARRIVAL_KEYS_MAX and r.request_id not in self._seen:
+        if len(self._seen) >= self._seen_max and r.request_id not in self._seen:
             # bounded without replans (short queues): the oldest entries are long dispatched
-            for old in list(itertools.islice(self._seen, ARRIVAL_KEYS_MAX // 2)):
+            for old in list(itertools.islice(self._seen, self._seen_max // 2)):
                 self._note_left(old, now)
         self._seen[r.request_id] = (iid, r.model, out, now, r.prompt_tokens)
 
@@ -845,6 +848,7 @@ class QLMPolicy(QueuePolicy):
         self._shots &= queued
         for rid in [rid for rid in self._seen if rid not in queued]:
             self._note_left(rid, now)
+        self._seen_max = max(ARRIVAL_KEYS_MAX, 2 * len(reqs))
         insts = sorted(instances, key=lambda i: i.instance_id)
         live = [i for i in insts if not i.draining]
         queues_out: dict[str, list[str]] = {i.instance_id: [] for i in insts}
@@ -968,11 +972,15 @@ class QLMPolicy(QueuePolicy):
             else {}
         )
         lso = self._lso(final, priced, hw, tab, live, models, evict_wait, caps)
+        # what _remember() does, inline (100k calls at the largest backlogs): _seen holds only
+        # queued requests here, well below its bound
+        seen, out_mean = self._seen, priced.out_mean.tolist()
         for g, ids in enumerate(final):
             iid = live[g].instance_id
             queues_out[iid] = [reqs[i].request_id for i in ids]
             for i in ids:
-                self._remember(reqs[i], iid, float(priced.out_mean[i]), now)
+                r = reqs[i]
+                seen[r.request_id] = (iid, r.model, out_mean[i], now, r.prompt_tokens)
         self._adopt((final, detail, keys, tab), priced, live, (hw, lat), models, now)
         meta["replan_s"] = round(time.perf_counter() - t0, 4)
         return Plan(queues=queues_out, unassigned=unassigned, policy=self.name, meta=meta, lso=lso)
@@ -1149,25 +1157,33 @@ class QLMPolicy(QueuePolicy):
         chance = np.zeros((n, n_inst))  # P(output fits the time left if started now)
         sd = np.sqrt(priced.out_var)
         switch = np.zeros((n_inst, M))
+        # instances of one shape share their profiles (cached objects): each column is
+        # computed once per shape and model, then copied to that shape's instances
+        shapes: dict[tuple[int, int, int], list[int]] = {}
         for (g, m), p in hw.items():
             switch[g, m] = self._switch(live[g], p, models[m])
-            sel = np.flatnonzero(priced.model_idx == m)
+            shapes.setdefault((m, id(p), id(lat[(g, m)])), []).append(g)
+        rows = {m: np.flatnonzero(priced.model_idx == m) for m in range(M)}
+        for (m, _, _), gs in shapes.items():
+            p, q = hw[(gs[0], m)], lat[(gs[0], m)]
+            sel = rows[m]
+            cells = np.ix_(sel, np.asarray(gs, dtype=np.int64))
             prompt = priced.prompt[sel]
-            occ[sel, g] = prompt / p.prefill_tps + priced.out_mean[sel] / p.throughput_tps
-            occ_var[sel, g] = priced.out_var[sel] / p.throughput_tps**2
-            q = lat[(g, m)]
             pre = q.prefill_fixed_s + q.prefill_s_per_token * prompt
-            own[sel, g] = pre + priced.out_bound[sel] * q.token_time_s
-            own_mean[sel, g] = pre + priced.out_mean[sel] * q.token_time_s
-            lst[sel, g] = np.minimum(priced.e2e[sel] - own[sel, g], priced.ttft[sel] - pre)
+            own_k = pre + priced.out_bound[sel] * q.token_time_s
+            occ[cells] = (prompt / p.prefill_tps + priced.out_mean[sel] / p.throughput_tps)[:, None]
+            occ_var[cells] = (priced.out_var[sel] / p.throughput_tps**2)[:, None]
+            own[cells] = own_k[:, None]
+            own_mean[cells] = (pre + priced.out_mean[sel] * q.token_time_s)[:, None]
+            lst[cells] = np.minimum(priced.e2e[sel] - own_k, priced.ttft[sel] - pre)[:, None]
             shot = pre + priced.out_shot[sel] * q.token_time_s
-            shot_lst[sel, g] = np.minimum(priced.e2e[sel] - shot, priced.ttft[sel] - pre)
+            shot_lst[cells] = np.minimum(priced.e2e[sel] - shot, priced.ttft[sel] - pre)[:, None]
             fits = (priced.e2e[sel] - pre) / max(q.token_time_s, 1e-12)  # tokens, from now
             with np.errstate(divide="ignore", invalid="ignore"):
                 zs = np.where(sd[sel] > 0, (fits - priced.out_mean[sel]) / sd[sel], np.inf)
             p_fit = np.where(fits >= priced.out_mean[sel], 1.0, 0.0)
             p_fit = np.where(np.isfinite(zs), norm.cdf(zs), p_fit)
-            chance[sel, g] = np.where(priced.ttft[sel] >= pre, p_fit, 0.0)
+            chance[cells] = np.where(priced.ttft[sel] >= pre, p_fit, 0.0)[:, None]
         running = [self._running(inst, g, hw, lat, models, now) for g, inst in enumerate(live)]
         first_slot = np.array([r[0] for r in running])
         drain = np.array([r[1] for r in running])
@@ -1216,9 +1232,12 @@ class QLMPolicy(QueuePolicy):
         # a new model run waits for the previous one to drain: about a typical request's own
         # time there (then the load)
         typical = np.zeros(n_inst)
-        for g in range(n_inst):
-            fin = own[:, g][np.isfinite(own[:, g])]
-            typical[g] = float(np.median(fin)) if len(fin) else 0.0
+        by_class: dict[int, float] = {}  # a lane class's instances have the same column
+        for g, c in enumerate(lane_class.tolist()):
+            if c not in by_class:
+                fin = own[:, g][np.isfinite(own[:, g])]
+                by_class[c] = float(np.median(fin)) if len(fin) else 0.0
+            typical[g] = by_class[c]
         swap = switch + typical[:, None]
         return _Tables(
             occ,
@@ -1252,27 +1271,32 @@ class QLMPolicy(QueuePolicy):
         w = self._walker(tab, priced)
         idx = np.flatnonzero(walkable)
         order = idx[np.lexsort((priced.seq[idx], best_lst[idx], ~tab.prio[idx]))]
-        lanes_of: dict[int, list[tuple[int, _Lane, list[float], list[float]]]] = {}
+        lanes_of: dict[int, list[tuple[int, _Lane, list[float], float]]] = {}
         z, model, inf = w.z, w.model, math.inf
         for k in order.tolist():
             m = model[k]
             cands = lanes_of.get(m)
             if cands is None:
                 cands = lanes_of[m] = [
-                    (g, w.lanes[g], w.lst[g], w.switch[g])
+                    (g, w.lanes[g], w.lst[g], w.switch[g][m])
                     for g in np.flatnonzero(np.isfinite(tab.occ[k])).tolist()
                 ]
-            # the lowest (misses, start, index): written out, this runs n × instances times
+            # the lowest (misses, start, index): written out, this runs n × instances times;
+            # once a lane where it meets is found, a lane starting no earlier cannot win
             best_g, best_start, best_miss = -1, inf, True
             for g, lane, lst, switch in cands:
                 lm = lane.model
                 if lm == -1 or lm == m:
                     start = lane.t
                 else:
-                    start = (lane.t if lane.t > lane.run_end else lane.run_end) + switch[m]
-                miss = start + z * lane.sd > lst[k]
-                if (miss < best_miss) or (miss == best_miss and start < best_start):
-                    best_g, best_start, best_miss = g, start, miss
+                    start = (lane.t if lane.t > lane.run_end else lane.run_end) + switch
+                if start >= best_start and not best_miss:
+                    continue
+                if start + z * lane.sd > lst[k]:
+                    if best_miss and start < best_start:
+                        best_g, best_start = g, start
+                else:
+                    best_g, best_start, best_miss = g, start, False
             if best_g >= 0:
                 w.step(best_g, k)
         return w.result()
@@ -1314,34 +1338,46 @@ class QLMPolicy(QueuePolicy):
         reqs = priced.reqs
         models = self._models
         n_inst = len(chosen.lanes)
-        timing = [
-            _lane_times(tab, g, lane.kept + lane.later) for g, lane in enumerate(chosen.lanes)
-        ]
+        # Python lists: this runs once per queued request (100k at the largest backlogs),
+        # where reading numpy scalars one at a time would cost more than the work
+        model_of: list[int] = tab.model_idx.tolist()
+        seq: list[int] = priced.seq.tolist()
+        heads = [lane.kept + lane.later for lane in chosen.lanes]
+        timing = [_lane_times(tab, g, head) for g, head in enumerate(heads)]
         end = [t.end for t in timing]
         # the models each instance holds work of: a tail request joins one of its own model
         # where it can (served late anyway, it should not add a model switch as well)
         present: list[set[int]] = []
-        for g, lane in enumerate(chosen.lanes):
-            held = {int(tab.model_idx[k]) for k in lane.kept + lane.later}
+        for g, head in enumerate(heads):
+            held = set(np.unique(tab.model_idx[head]).tolist()) if head else set()
             if tab.init_model[g] >= 0:
                 held.add(int(tab.init_model[g]))
             present.append(held)
+        lst_best: list[float] = best_lst.tolist()
         order = sorted(
             tail,
             key=lambda k: (
-                (0, float(best_lst[k]), int(priced.seq[k]))
-                if best_lst[k] > 0
-                else (1, reqs[k].arrival_time, int(priced.seq[k]))
+                (0, lst_best[k], seq[k]) if lst_best[k] > 0 else (1, reqs[k].arrival_time, seq[k])
             ),
         )
         tails: list[list[int]] = [[] for _ in range(n_inst)]
         done: dict[str, float] = {}
+        swap: list[list[float]] = tab.swap.tolist()
+        eligible: dict[int, list[int]] = {}  # by model: the instances that serve it
         for k in order:
-            ok = np.flatnonzero(np.isfinite(tab.occ[k])).tolist()
+            m = model_of[k]
+            ok = eligible.get(m)
+            if ok is None:
+                ok = eligible[m] = np.flatnonzero(np.isfinite(tab.occ[k])).tolist()
             if not ok:
                 continue
-            m = int(tab.model_idx[k])
-            g = min(ok, key=lambda g: (end[g] + (0.0 if m in present[g] else tab.swap[g, m]), g))
+            # the least busy, a model switch priced, lowest index on ties (min() by key)
+            g = ok[0]
+            best = end[g] + (0.0 if m in present[g] else swap[g][m])
+            for h in ok[1:]:
+                v = end[h] + (0.0 if m in present[h] else swap[h][m])
+                if v < best:
+                    g, best = h, v
             done[reqs[k].request_id] = end[g] + float(tab.own_mean[k, g])
             end[g] += float(tab.occ[k, g])
             present[g].add(m)
@@ -1349,25 +1385,26 @@ class QLMPolicy(QueuePolicy):
         keys: dict[str, tuple[Any, ...]] = {}
         final: list[list[int]] = []
         self._tail_ranks = []
-        for g, lane in enumerate(chosen.lanes):
-            head = lane.kept + lane.later
-            due = np.maximum.accumulate(tab.lst[head, g] + now) if head else np.zeros(0)
-            for pos, k in enumerate(head):
-                rid = reqs[k].request_id
-                keys[rid] = (FEASIBLE, float(due[pos]), pos, int(priced.seq[k]))
-                done[rid] = float(timing[g].start[pos]) + float(tab.own_mean[k, g])
+        for g, head in enumerate(heads):
+            if head:
+                due = np.maximum.accumulate(tab.lst[head, g] + now).tolist()
+                fin = (timing[g].start + tab.own_mean[head, g]).tolist()
+                for pos, k in enumerate(head):
+                    rid = reqs[k].request_id
+                    keys[rid] = (FEASIBLE, due[pos], pos, seq[k])
+                    done[rid] = fin[pos]
             # the tail in model runs: first the model the kept work ends with (or the one
             # loaded), then the others in the order their first request comes
-            last = int(tab.model_idx[head[-1]]) if head else int(tab.init_model[g])
+            last = model_of[head[-1]] if head else int(tab.init_model[g])
             ranks: dict[str, int] = {models[last]: 0} if last >= 0 else {}
             mine: list[tuple[tuple[Any, ...], int]] = []
-            for k in tails[g]:
-                rank = ranks.setdefault(models[int(tab.model_idx[k])], len(ranks))
-                lst_abs = float(tab.lst[k, g]) + now
+            lst_abs = (tab.lst[tails[g], g] + now).tolist() if tails[g] else []
+            for k, due_abs in zip(tails[g], lst_abs, strict=True):
+                rank = ranks.setdefault(models[model_of[k]], len(ranks))
                 key = (
-                    (TAIL, ALIVE, rank, lst_abs, int(priced.seq[k]))
-                    if lst_abs > now
-                    else (TAIL, HOPELESS, rank, reqs[k].arrival_time, int(priced.seq[k]))
+                    (TAIL, ALIVE, rank, due_abs, seq[k])
+                    if due_abs > now
+                    else (TAIL, HOPELESS, rank, reqs[k].arrival_time, seq[k])
                 )
                 keys[reqs[k].request_id] = key
                 mine.append((key, k))
@@ -1769,11 +1806,18 @@ class QLMPolicy(QueuePolicy):
         self._last_detail = (done, now)
         reqs = priced.reqs
         tokens_of = np.fromiter((self.work_tokens(r) for r in reqs), np.float64, len(reqs))
+        rids = [r.request_id for r in reqs]
+        model_of: list[int] = tab.model_idx.tolist()
         for g, q in enumerate(final):
             iid = live[g].instance_id
-            kept = [k for k in q if keys[reqs[k].request_id][0] == FEASIBLE]
+            kept, dues = [], []
+            for k in q:
+                key = keys[rids[k]]
+                if key[0] == FEASIBLE:
+                    kept.append(k)
+                    dues.append(key[1])
             timing = _lane_times(tab, g, kept)
-            due = np.array([keys[reqs[k].request_id][1] for k in kept], dtype=np.float64)
+            due = np.array(dues, dtype=np.float64)
             toks = tokens_of[kept] if kept else np.zeros(0)
             start = timing.start + self.z * np.sqrt(timing.var)
             slack = tab.lst[kept, g] - start if kept else np.zeros(0)
@@ -1790,10 +1834,10 @@ class QLMPolicy(QueuePolicy):
                 suffix,
                 s_per_token,
                 planned,
-                models={models[int(tab.model_idx[k])] for k in q},
+                models={models[m] for m in np.unique(tab.model_idx[q]).tolist()} if q else set(),
                 ranks=dict(self._tail_ranks[g]),
                 swap_s=float(typical[0]) if len(typical) else 0.0,
-                runs=_runs([models[int(tab.model_idx[k])] for k in kept], due),
+                runs=_runs([models[model_of[k]] for k in kept], due),
             )
 
 
@@ -1888,10 +1932,13 @@ class _Walker:
         lane = self.lanes[g]
         m = self.model[k]
         new_run = lane.model != -1 and m != lane.model
-        start, var = self.start(g, k)
-        lst = self.lst[g][k]
-        z = self.z
-        if self.demote and not self.prio[k] and start + z * math.sqrt(var) > lst:
+        # start(g, k), inline: this runs once per request and candidate
+        if new_run:
+            start = (lane.t if lane.t > lane.run_end else lane.run_end) + self.switch[g][m]
+        else:
+            start = lane.t
+        var = lane.var
+        if self.demote and not self.prio[k] and start + self.z * lane.sd > self.lst[g][k]:
             if new_run or not self._displace(lane, g, k, start, var):
                 self.tail.append(k)
                 return False

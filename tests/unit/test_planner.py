@@ -333,3 +333,22 @@ def test_insertion_scores_equal_scoring_each_insertion(data: st.DataObject) -> N
     fast = _insertion_scores(p, 0, target, i)
     slow = [_queue_score(p, 0, target[:k] + [i] + target[k:]) for k in range(len(target) + 1)]
     np.testing.assert_allclose(fast, slow, rtol=1e-9, atol=1e-9)
+
+
+def test_a_backlog_larger_than_the_memory_bound_is_not_taken_for_running_work(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Requests that leave the queues are remembered as what runs on the engines (the
+    estimate of when a slot frees). A plan over more queued requests than the bound on that
+    memory once evicted still-queued ones into it: at 100k queued every instance's running
+    work was priced from requests that had not started."""
+    import qlm.planner.stochastic as stochastic
+
+    monkeypatch.setattr(stochastic, "ARRIVAL_KEYS_MAX", 16)
+    reqs, insts = build_queue(200, 4, "loose"), build_instances(4)
+    pol = QLMPolicy()
+    for _ in range(2):
+        pol.plan(reqs, insts, NOW)
+        assert sum(len(d) for d in pol._left.values()) == 0
+    pol.plan(reqs[10:], insts, NOW + 1)
+    assert sum(len(d) for d in pol._left.values()) == 10
