@@ -5,12 +5,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+import secrets
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote, unquote, urlsplit
+
+import httpx
 
 from qlm.store import Store
+from qlm.tooling import localbroker
 from qlm.tooling.demo import LocalCluster
+from qlm.topology import INGRESS_EXCHANGE
 
 
 @contextlib.asynccontextmanager
@@ -28,6 +34,37 @@ async def running_cluster(
         raise
     finally:
         cluster.stop()
+
+
+@contextlib.contextmanager
+def producer_users(amqp_url: str, *names: str) -> Iterator[dict[str, str]]:
+    """A broker user per name (a random suffix added), each allowed exactly what a producer
+    needs: publish to qlm.ingress, declare and read its own reply queues (the threat model's
+    permissions). Yields name -> AMQP URL as that user; the users are deleted afterwards."""
+    parts = urlsplit(amqp_url)
+    vhost = quote(unquote(parts.path[1:]), safe="")
+    api, admin = localbroker.management_url(amqp_url), ("guest", "guest")
+    urls: dict[str, str] = {}
+    try:
+        with httpx.Client(base_url=api, auth=admin) as http:
+            for name in names:
+                user, password = f"{name}-{secrets.token_hex(3)}", secrets.token_hex(8)
+                http.put(
+                    f"api/users/{user}", json={"password": password, "tags": ""}
+                ).raise_for_status()
+                urls[name] = parts._replace(
+                    netloc=f"{user}:{password}@{parts.hostname}:{parts.port}"
+                ).geturl()
+                own = rf"^qlm\.reply\.{user}\."
+                http.put(
+                    f"api/permissions/{vhost}/{user}",
+                    json={"configure": own, "write": rf"^{INGRESS_EXCHANGE}$", "read": own},
+                ).raise_for_status()
+        yield urls
+    finally:
+        with httpx.Client(base_url=api, auth=admin) as http:
+            for url in urls.values():
+                http.delete(f"api/users/{unquote(urlsplit(url).username or '')}")
 
 
 async def store_counts(database_url: str) -> dict[str, int]:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-import secrets
 from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import quote, unquote, urlsplit
@@ -27,8 +26,9 @@ from qlm.coordinator.service import Coordinator
 from qlm.planner import create_policy
 from qlm.store import Store
 from qlm.tooling.localbroker import management_url
-from qlm.topology import DEAD_LETTER_QUEUE, INGRESS_EXCHANGE
+from qlm.topology import DEAD_LETTER_QUEUE
 from qlm.types import SLO, RequestMessage, ResultMessage
+from tests.e2e import producer_users
 
 pytestmark = pytest.mark.broker
 
@@ -71,21 +71,9 @@ async def _cut_coordinator(amqp_url: str) -> int:
 
 @pytest.fixture
 def producer_url(isolated_amqp_url: str) -> Iterator[str]:
-    """A broker user allowed what a producer needs (publish to qlm.ingress, its own reply
-    queues), as a URL; deleted afterwards."""
-    vhost = quote(unquote(urlsplit(isolated_amqp_url).path[1:]), safe="")
-    user, password = f"alice-{secrets.token_hex(3)}", secrets.token_hex(8)
-    with httpx.Client(base_url=management_url(isolated_amqp_url), auth=("guest", "guest")) as h:
-        h.put(f"api/users/{user}", json={"password": password, "tags": ""}).raise_for_status()
-        own = rf"^qlm\.reply\.{user}\."
-        h.put(
-            f"api/permissions/{vhost}/{user}",
-            json={"configure": own, "write": rf"^{INGRESS_EXCHANGE}$", "read": own},
-        ).raise_for_status()
-    parts = urlsplit(isolated_amqp_url)
-    yield parts._replace(netloc=f"{user}:{password}@{parts.hostname}:{parts.port}").geturl()
-    with httpx.Client(base_url=management_url(isolated_amqp_url), auth=("guest", "guest")) as h:
-        h.delete(f"api/users/{user}")
+    """A broker user allowed what a producer needs, as a URL; deleted afterwards."""
+    with producer_users(isolated_amqp_url, "alice") as urls:
+        yield urls["alice"]
 
 
 @pytest.mark.parametrize("mode", ["body", "broker"])

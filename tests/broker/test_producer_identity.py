@@ -9,13 +9,11 @@ acked and counted, never held; the client takes a reply only for the request it 
 from __future__ import annotations
 
 import asyncio
-import secrets
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
-from urllib.parse import quote, unquote, urlsplit
+from urllib.parse import unquote, urlsplit
 
 import aio_pika
-import httpx
 import pytest
 
 from qlm.agents.agent import Agent
@@ -26,7 +24,6 @@ from qlm.coordinator.identity import IdentityMode, ProducerIdentity
 from qlm.coordinator.service import Coordinator
 from qlm.planner import create_policy
 from qlm.store import Store
-from qlm.tooling import localbroker
 from qlm.topology import DEAD_LETTER_QUEUE, INGRESS_EXCHANGE, REASON_HEADER
 from qlm.types import (
     CONTENT_TYPE,
@@ -37,6 +34,7 @@ from qlm.types import (
     RequestMessage,
     ResultMessage,
 )
+from tests.e2e import producer_users
 
 pytestmark = pytest.mark.broker
 
@@ -54,39 +52,11 @@ def _req(rid: str, *, model: str = "mistral-7b", tenant: str | None = None) -> R
     )
 
 
-def _user_url(admin_url: str, user: str, password: str) -> str:
-    parts = urlsplit(admin_url)
-    netloc = f"{user}:{password}@{parts.hostname}:{parts.port}"
-    return parts._replace(netloc=netloc).geturl()
-
-
 @pytest.fixture
 def tenants(isolated_amqp_url: str) -> Iterator[dict[str, str]]:
-    """Broker users alice and bob, each allowed exactly what a producer needs: publish to
-    qlm.ingress, declare and read its own reply queues (the threat model's permissions)."""
-    vhost = quote(unquote(urlsplit(isolated_amqp_url).path[1:]), safe="")
-    urls = {}
-    with httpx.Client(
-        base_url=localbroker.management_url(isolated_amqp_url), auth=("guest", "guest")
-    ) as http:
-        for name in ("alice", "bob"):
-            user = f"{name}-{secrets.token_hex(3)}"
-            password = secrets.token_hex(8)
-            http.put(
-                f"api/users/{user}", json={"password": password, "tags": ""}
-            ).raise_for_status()
-            own = rf"^qlm\.reply\.{user}\."
-            http.put(
-                f"api/permissions/{vhost}/{user}",
-                json={"configure": own, "write": rf"^{INGRESS_EXCHANGE}$", "read": own},
-            ).raise_for_status()
-            urls[name] = _user_url(isolated_amqp_url, user, password)
-    yield urls
-    with httpx.Client(
-        base_url=localbroker.management_url(isolated_amqp_url), auth=("guest", "guest")
-    ) as http:
-        for url in urls.values():
-            http.delete(f"api/users/{unquote(urlsplit(url).username or '')}")
+    """Broker users alice and bob, each allowed exactly what a producer needs."""
+    with producer_users(isolated_amqp_url, "alice", "bob") as urls:
+        yield urls
 
 
 @pytest.fixture
