@@ -18,6 +18,7 @@ from typer.core import TyperGroup
 
 from qlm.config import Settings
 from qlm.gateway.command import register as register_gateway
+from qlm.heap import freeze_startup_heap
 
 app = typer.Typer(
     help="qlm: SLO-aware durable queue manager for LLM serving.",
@@ -199,6 +200,7 @@ async def _run_coordinator(
     server = await serve_admin(
         api, s.admin_host, admin_port, tls_cert=s.admin_tls_cert, tls_key=s.admin_tls_key
     )
+    freeze_startup_heap()
     try:
         await _wait_for_signal()
     finally:
@@ -506,6 +508,7 @@ async def _run_agent(
         health = await serve_health(a, s.agent_health_host, s.agent_health_port)
     try:
         await a.start()
+        freeze_startup_heap()
         try:
             await _wait_for_signal()
         finally:

@@ -87,6 +87,7 @@ async def _run(
     batch_settings: BatchSettings | None = None,
 ) -> None:
     from qlm.gateway.app import serve_gateway
+    from qlm.heap import freeze_startup_heap
 
     server = await serve_gateway(
         amqp_url,
@@ -98,6 +99,7 @@ async def _run(
         batch_database_url=batch_database_url,
         batch_settings=batch_settings,
     )
+    freeze_startup_heap()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
