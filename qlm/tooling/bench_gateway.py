@@ -154,12 +154,11 @@ def _spawn_gateway(amqp_url: str, timeout_s: float) -> tuple[str, subprocess.Pop
     """`qlm gateway` on a free loopback port, as its own process."""
     import json
     import os
-    import socket
     import sys
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    from qlm.tooling.ports import free_loopback_port
+
+    port = free_loopback_port()
     env = {
         **os.environ,
         "QLM_AMQP_URL": amqp_url,

@@ -10,7 +10,6 @@ import json
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -22,6 +21,7 @@ import httpx
 import structlog
 
 from qlm.catalog import ModelCatalog
+from qlm.tooling.ports import free_loopback_port
 from qlm.types import RequestMessage
 
 log = structlog.get_logger(__name__)
@@ -96,12 +96,6 @@ async def run_replay(
     return Report.from_replay(result)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 async def _wait_instances(admin_url: str, token: str, n: int, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     async with httpx.AsyncClient() as http:
@@ -138,7 +132,7 @@ class LocalCluster:
         self.database_url = database_url or f"sqlite+aiosqlite:///{self.workdir}/qlm.db"
         self.shards = shards
         self.token = secrets.token_urlsafe(24)
-        self.admin_port = _free_port()
+        self.admin_port = free_loopback_port()
         self.admin_url = f"http://127.0.0.1:{self.admin_port}"
         self.extra_env = extra_env or {}
         self.coordinator: subprocess.Popen[bytes] | None = None
@@ -177,7 +171,7 @@ class LocalCluster:
     def start_standby(self) -> str:
         """A second coordinator (its own admin port): single-active-consumer keeps it idle
         until the active one's connection dies, then it takes over. Returns its admin URL."""
-        port = _free_port()
+        port = free_loopback_port()
         self.standby = self._spawn(
             "coordinator-standby", ["coordinator"], {"QLM_ADMIN_PORT": str(port)}
         )
@@ -206,7 +200,7 @@ class LocalCluster:
         for name, path in spec.get("model_paths", {}).items():
             args += ["--model-path", f"{name}={path}"]
         args += list(spec.get("extra_args", []))
-        port = _free_port()
+        port = free_loopback_port()
         self.agent_health[aid] = f"http://127.0.0.1:{port}"
         env = {"QLM_AGENT_HEALTH_PORT": str(port), "QLM_AGENT_HEALTH_HOST": "127.0.0.1"}
         self.agents[aid] = self._spawn(aid, args, {**env, **spec.get("env", {})})

@@ -11,7 +11,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -32,6 +31,7 @@ from qlm.gateway.app import ApiKeys, GatewayServer, GatewaySettings, serve_gatew
 from qlm.gateway.batches import BatchSettings
 from qlm.tooling import localbroker
 from qlm.tooling.demo import LocalCluster
+from qlm.tooling.ports import free_loopback_port
 from tests.e2e import running_cluster
 
 KEY = "sk-qlm-test-alpha-0123456789"
@@ -358,17 +358,11 @@ async def test_per_tenant_quota_of_queued_batch_requests(stack: Stack) -> None:
 # --- restarts ---------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class GatewayProcess:
     """``qlm gateway`` as a child process (so it can be SIGKILLed)."""
 
     def __init__(self, amqp_url: str, database_url: str, workdir: Path) -> None:
-        self.port = _free_port()
+        self.port = free_loopback_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.env = {
             **os.environ,

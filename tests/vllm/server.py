@@ -12,13 +12,14 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import httpx
+
+from qlm.tooling.ports import free_loopback_port
 
 SERVED_NAME = "tiny-llama"
 MAX_MODEL_LEN = 2048
@@ -73,9 +74,7 @@ def make_slow_model(tiny_dir: Path, path: Path) -> Path:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return free_loopback_port()
 
 
 class VllmServer:
