@@ -43,7 +43,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import numpy as np
-from scipy.stats import norm
+from scipy.special import ndtri
 
 from qlm.estimator import OutputLengthModel, RCTEstimator, engine_profile
 from qlm.policy import CompletionObservation, Plan, PlanInstance, PlanRequest, QueuePolicy
@@ -98,7 +98,7 @@ class EDFShedPolicy(QueuePolicy):
         if overrides:
             cfg = replace(cfg, **overrides)
         self.config = cfg
-        self._z = float(norm.ppf(cfg.length_quantile))
+        self._z = float(ndtri(cfg.length_quantile))
         self.lengths: OutputLengthModel
         if cfg.length_model == "forest":
             from qlm.length_forest import ForestLengthModel, QuantileLengthPredictor

@@ -50,11 +50,11 @@ from typing import Any
 
 import numpy as np
 import structlog
-from scipy.stats import norm
+from scipy.special import ndtr, ndtri
 
 from qlm.engine_scheduler import KV_SATURATED_FRACTION
 from qlm.estimator import HardwareProfile, OutputLengthModel, RCTEstimator
-from qlm.grouping import GroupingConfig, build_groups
+from qlm.grouping import GroupingConfig, build_groups, load_clustering
 from qlm.planner.milp import (
     GroupProblem,
     WorkClock,
@@ -410,7 +410,8 @@ class QLMPolicy(QueuePolicy):
 
             cfg = replace(cfg, **overrides)
         self.config = cfg
-        self.z = float(norm.ppf(cfg.slo_quantile))
+        load_clustering()  # seconds of imports, here and not in the first replan
+        self.z = float(ndtri(cfg.slo_quantile))
         self._clock: Callable[[], float] = (
             WorkClock() if cfg.budget_clock == "work" else time.perf_counter
         )
@@ -1182,7 +1183,7 @@ class QLMPolicy(QueuePolicy):
             with np.errstate(divide="ignore", invalid="ignore"):
                 zs = np.where(sd[sel] > 0, (fits - priced.out_mean[sel]) / sd[sel], np.inf)
             p_fit = np.where(fits >= priced.out_mean[sel], 1.0, 0.0)
-            p_fit = np.where(np.isfinite(zs), norm.cdf(zs), p_fit)
+            p_fit = np.where(np.isfinite(zs), ndtr(zs), p_fit)
             chance[cells] = np.where(priced.ttft[sel] >= pre, p_fit, 0.0)[:, None]
         running = [self._running(inst, g, hw, lat, models, now) for g, inst in enumerate(live)]
         first_slot = np.array([r[0] for r in running])

@@ -38,7 +38,6 @@ from typing import Literal
 
 import numpy as np
 from scipy.special import ndtri
-from scipy.stats import norm
 
 from qlm.engine_model import EngineProfile, InsufficientMemoryError, get_profile
 
@@ -50,7 +49,7 @@ PRIOR_TABLES = ("sharegpt", "arxiv", "azure-conv", "azure-code", "max_tokens")
 @lru_cache(maxsize=64)
 def normal_quantile(q: float) -> float:
     """Φ⁻¹(q), cached: scipy's ppf costs ~0.1 ms a call, and a few levels are asked for."""
-    return float(norm.ppf(q))
+    return float(ndtri(q))
 
 
 @lru_cache(maxsize=256)
@@ -420,7 +419,7 @@ class TimeDistribution:
         return math.sqrt(self.var)
 
     def quantile(self, q: float) -> float:
-        return self.mean + float(norm.ppf(q)) * self.std
+        return self.mean + float(ndtri(q)) * self.std
 
 
 @dataclass(frozen=True)

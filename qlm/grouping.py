@@ -23,7 +23,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
-from sklearn.cluster import KMeans, MiniBatchKMeans
 
 from qlm.policy import PlanRequest
 
@@ -78,7 +77,15 @@ def effective_deadlines(requests: Sequence[PlanRequest]) -> np.ndarray:
     return np.where(np.isfinite(d), d, arrival + NO_DEADLINE_HORIZON_S)
 
 
+def load_clustering() -> None:
+    """Import scikit-learn's k-means now. It takes seconds (2.7 s on the development machine),
+    so it is imported on first use: a coordinator running EDF or FCFS never pays for it, and
+    the policies that group call this when built, so their first replan does not either."""
+    import sklearn.cluster  # noqa: F401
+
+
 def _kmeans(x: np.ndarray, k: int, cfg: GroupingConfig) -> np.ndarray:
+    from sklearn.cluster import KMeans, MiniBatchKMeans
 
     with warnings.catch_warnings():
         # identical points give fewer distinct clusters than k: harmless here
