@@ -23,6 +23,7 @@ from typing import Any, cast
 import sqlalchemy as sa
 from pydantic import TypeAdapter, ValidationError
 from sqlalchemy import event as sa_event
+from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from qlm.store.answers import AnswerLog
@@ -60,9 +61,13 @@ class Store:
         flush_events: int = 1000,
         max_buffered: int = 1_000_000,
         max_batch: int = 20_000,
+        answers_engine: Engine | None = None,
     ) -> None:
-        """Wrap an engine whose schema is current and start the flusher (needs a running loop)."""
+        """Wrap an engine whose schema is current and start the flusher (needs a running loop).
+        ``answers_engine``: a synchronous engine on the same database for the answer log
+        (:meth:`open` makes one for a SQLite file), else the log uses ``engine``."""
         self._engine = engine
+        self._answers_engine = answers_engine
         self._insert = dialect_insert(engine)
         self._writer = BatchWriter(
             engine,
@@ -72,7 +77,7 @@ class Store:
             max_batch=max_batch,
         )
         # written *before* each reply, awaited (not write-behind): qlm/store/answers.py
-        self.answers = AnswerLog(engine, self._insert)
+        self.answers = AnswerLog(answers_engine or engine, self._insert)
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -92,15 +97,22 @@ class Store:
         prepare_sqlite_path(url)
         if migrate:
             await asyncio.to_thread(upgrade_to_head, url)
-        engine = create_async_engine(url, pool_pre_ping=True, **(engine_kwargs or {}))
+        # a ping before each checkout finds a connection a database server dropped; a SQLite
+        # file has none to drop, and the ping cost a thread round trip per transaction (the
+        # answer log commits one per reply)
+        ping = not url.startswith("sqlite")
+        engine = create_async_engine(url, pool_pre_ping=ping, **(engine_kwargs or {}))
+        answers_engine = None
         if engine.dialect.name == "sqlite":
             sa_event.listen(engine.sync_engine, "connect", _sqlite_pragmas)
+            answers_engine = _sync_sqlite_engine(url)
         return cls(
             engine,
             flush_interval_s=flush_interval_s,
             flush_events=flush_events,
             max_buffered=max_buffered,
             max_batch=max_batch,
+            answers_engine=answers_engine,
         )
 
     async def close(self, drain_s: float = 10.0) -> None:
@@ -111,6 +123,8 @@ class Store:
         await self._writer.close(drain_s)
         await self.answers.close()
         await self._engine.dispose()
+        if self._answers_engine is not None:
+            self._answers_engine.dispose()
 
     @property
     def engine(self) -> AsyncEngine:
@@ -494,6 +508,19 @@ def _valid_request_id(request_id: object) -> str | None:
         return _REQUEST_ID.validate_python(request_id)
     except ValidationError:
         return None
+
+
+def _sync_sqlite_engine(url: str) -> Engine | None:
+    """The same SQLite file through the synchronous driver (the answer log's), or None for
+    an in-memory database, which a second engine would not share, and for a URI filename
+    (``file:...``), which may name one."""
+    parsed = make_url(url)
+    database = parsed.database
+    if not database or database == ":memory:" or database.startswith("file:") or parsed.query:
+        return None
+    engine = sa.create_engine(parsed.set(drivername="sqlite"))
+    sa_event.listen(engine, "connect", _sqlite_pragmas)
+    return engine
 
 
 def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:

@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import sqlalchemy as sa
+from sqlalchemy.engine import Engine
 from sqlalchemy.ext.asyncio import create_async_engine
 
 from qlm.agents.agent import Agent
@@ -31,6 +33,33 @@ def _answer(rid: str, reply_id: str, tenant: str | None = None) -> StoredAnswer:
 
 
 # ---------------------------------------------------------------- the record itself
+async def test_a_sqlite_file_commits_answers_on_its_own_engine_that_the_store_reads(
+    tmp_path: Path,
+) -> None:
+    # one thread hop per transaction (qlm/store/answers.py); what it commits is the same file
+    url = f"sqlite+aiosqlite:///{tmp_path}/qlm.db"
+    store = await Store.open(url)
+    try:
+        assert isinstance(store.answers._engine, Engine)
+        await store.answers.record(_answer("on-file", "a"))
+        async with store.engine.connect() as conn:
+            rows = await conn.execute(sa.text("SELECT reply_id FROM answers"))
+            assert [r[0] for r in rows] == ["a"]
+    finally:
+        await store.close()
+    again = await Store.open(url)
+    try:
+        assert (await again.answers.record(_answer("on-file", "b"))).reply_id == "a"
+    finally:
+        await again.close()
+    # an in-memory database is not shared by a second engine: the log keeps the store's
+    memory = await Store.open("sqlite+aiosqlite:///:memory:", migrate=False)
+    try:
+        assert memory.answers._engine is memory.engine
+    finally:
+        await memory.close()
+
+
 @pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
 async def test_the_first_answer_recorded_wins_and_is_found_again(
     backend: str, tmp_path: Path, request: pytest.FixtureRequest
