@@ -19,20 +19,17 @@ transaction is in flight the next callers queue up, and the next transaction tak
 (one round trip for hundreds of replies under load, one short one when idle). Lookups of
 redelivered requests are batched the same way (one ``SELECT ... IN`` per round).
 
-On a SQLite file the log runs its transactions on a synchronous engine of its own, each whole
-transaction in a worker thread (:class:`~qlm.store.store.Store` sets this up): through the
-async driver every statement, the ``BEGIN`` and the ``COMMIT`` is a round trip between the
-event loop and the driver's thread, and one record's transaction cost about three times the
-coordinator's CPU that way (2.4 against 0.7 ms on the development machine).
+On a SQLite file the log runs on a synchronous engine, each transaction in one worker-thread
+hop (qlm/store/engines.py says why).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar, cast
+from typing import Any, cast
 
 import sqlalchemy as sa
 import structlog
@@ -47,6 +44,7 @@ from tenacity import (
     wait_fixed,
 )
 
+from qlm.store.engines import in_transaction
 from qlm.store.models import Answer
 
 log = structlog.get_logger(__name__)
@@ -55,8 +53,6 @@ ANSWERS = cast(sa.Table, Answer.__table__)
 
 MAX_BATCH = 500  # answers (or lookups) per transaction
 RETRY_DELAYS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0)  # a transient database failure, then give up
-
-_T = TypeVar("_T")
 
 
 class AnswerLogUnavailable(Exception):
@@ -136,7 +132,7 @@ class AnswerLog:
             )
             return [r[0] for r in rows][::-1]
 
-        return await self._transaction(newest)
+        return await in_transaction(self._engine, newest)
 
     async def prune(self, older_than: float) -> int:
         """Forget answers recorded before ``older_than`` (unix seconds); returns how many."""
@@ -145,21 +141,7 @@ class AnswerLog:
             result = conn.execute(ANSWERS.delete().where(ANSWERS.c.answered_at < older_than))
             return int(result.rowcount or 0)
 
-        return await self._transaction(delete)
-
-    async def _transaction(self, work: Callable[[Connection], _T]) -> _T:
-        """``work`` in one transaction: on an async engine through its greenlet bridge, on a
-        synchronous one in a worker thread (one hop for the whole transaction)."""
-        engine = self._engine
-        if isinstance(engine, AsyncEngine):
-            async with engine.begin() as conn:
-                return await conn.run_sync(work)
-
-        def in_thread() -> _T:
-            with engine.begin() as conn:
-                return work(conn)
-
-        return await asyncio.to_thread(in_thread)
+        return await in_transaction(self._engine, delete)
 
     async def close(self) -> None:
         if self._task is not None:
@@ -235,7 +217,7 @@ class AnswerLog:
             return {r["request_id"]: _from_row(r) for r in rows.mappings()}
 
         async def transaction() -> dict[str, StoredAnswer]:
-            return await self._transaction(write_then_read)
+            return await in_transaction(self._engine, write_then_read)
 
         def retrying(state: RetryCallState) -> None:
             error = state.outcome.exception() if state.outcome is not None else None

@@ -61,23 +61,24 @@ class Store:
         flush_events: int = 1000,
         max_buffered: int = 1_000_000,
         max_batch: int = 20_000,
-        answers_engine: Engine | None = None,
+        writers_engine: Engine | None = None,
     ) -> None:
         """Wrap an engine whose schema is current and start the flusher (needs a running loop).
-        ``answers_engine``: a synchronous engine on the same database for the answer log
-        (:meth:`open` makes one for a SQLite file), else the log uses ``engine``."""
+        ``writers_engine``: a synchronous engine on the same database for the two writers, the
+        write-behind buffer and the answer log (:meth:`open` makes one for a SQLite file, see
+        qlm/store/engines.py), else they use ``engine``."""
         self._engine = engine
-        self._answers_engine = answers_engine
+        self._writers_engine = writers_engine
         self._insert = dialect_insert(engine)
         self._writer = BatchWriter(
-            engine,
+            writers_engine or engine,
             flush_interval_s=flush_interval_s,
             flush_events=flush_events,
             max_buffered=max_buffered,
             max_batch=max_batch,
         )
         # written *before* each reply, awaited (not write-behind): qlm/store/answers.py
-        self.answers = AnswerLog(answers_engine or engine, self._insert)
+        self.answers = AnswerLog(writers_engine or engine, self._insert)
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -102,17 +103,17 @@ class Store:
         # answer log commits one per reply)
         ping = not url.startswith("sqlite")
         engine = create_async_engine(url, pool_pre_ping=ping, **(engine_kwargs or {}))
-        answers_engine = None
+        writers_engine = None
         if engine.dialect.name == "sqlite":
             sa_event.listen(engine.sync_engine, "connect", _sqlite_pragmas)
-            answers_engine = _sync_sqlite_engine(url)
+            writers_engine = _sync_sqlite_engine(url, engine_kwargs or {})
         return cls(
             engine,
             flush_interval_s=flush_interval_s,
             flush_events=flush_events,
             max_buffered=max_buffered,
             max_batch=max_batch,
-            answers_engine=answers_engine,
+            writers_engine=writers_engine,
         )
 
     async def close(self, drain_s: float = 10.0) -> None:
@@ -123,8 +124,8 @@ class Store:
         await self._writer.close(drain_s)
         await self.answers.close()
         await self._engine.dispose()
-        if self._answers_engine is not None:
-            self._answers_engine.dispose()
+        if self._writers_engine is not None:
+            self._writers_engine.dispose()
 
     @property
     def engine(self) -> AsyncEngine:
@@ -510,15 +511,16 @@ def _valid_request_id(request_id: object) -> str | None:
         return None
 
 
-def _sync_sqlite_engine(url: str) -> Engine | None:
-    """The same SQLite file through the synchronous driver (the answer log's), or None for
+def _sync_sqlite_engine(url: str, engine_kwargs: dict[str, Any]) -> Engine | None:
+    """The same SQLite file through the synchronous driver (the writers'), or None for
     an in-memory database, which a second engine would not share, and for a URI filename
     (``file:...``), which may name one."""
     parsed = make_url(url)
     database = parsed.database
     if not database or database == ":memory:" or database.startswith("file:") or parsed.query:
         return None
-    engine = sa.create_engine(parsed.set(drivername="sqlite"))
+    # the same options (e.g. connect_args' lock timeout): sqlite3 takes what aiosqlite passes on
+    engine = sa.create_engine(parsed.set(drivername="sqlite"), **engine_kwargs)
     sa_event.listen(engine, "connect", _sqlite_pragmas)
     return engine
 

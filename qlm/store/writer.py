@@ -23,6 +23,7 @@ import asyncio
 import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, cast
 
 import sqlalchemy as sa
@@ -30,8 +31,10 @@ import structlog
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.dialects import postgresql as pg_dialect
 from sqlalchemy.dialects import sqlite as sqlite_dialect
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.ext.asyncio import AsyncEngine
 
+from qlm.store.engines import in_transaction
 from qlm.store.models import Instance, Plan, Request, RequestEvent
 
 log = structlog.get_logger(__name__)
@@ -51,7 +54,7 @@ _MAX_RETRY_DELAY_S = 2.0
 InsertFactory = Callable[[sa.Table], Any]
 
 
-def dialect_insert(engine: AsyncEngine) -> InsertFactory:
+def dialect_insert(engine: AsyncEngine | Engine) -> InsertFactory:
     """The dialect's ``insert`` that supports ``on_conflict_do_update`` (SQLite or PostgreSQL)."""
     name = engine.dialect.name
     if name == "sqlite":
@@ -73,9 +76,12 @@ class StoreStats:
 
 
 class BatchWriter:
+    """Buffers entries and commits them in batches on ``engine``: an async one, or a
+    synchronous one whose transactions run in a worker thread (qlm/store/engines.py)."""
+
     def __init__(
         self,
-        engine: AsyncEngine,
+        engine: AsyncEngine | Engine,
         *,
         flush_interval_s: float = 0.05,
         flush_events: int = 1000,
@@ -195,8 +201,7 @@ class BatchWriter:
         """Write the oldest entries in one transaction. False: failed, entries kept for retry."""
         batch = self._buffer[: self._max_batch]
         try:
-            async with self._engine.begin() as conn:
-                await self._write(conn, batch)
+            await in_transaction(self._engine, partial(self._write, batch=batch))
         except Exception as exc:
             self._failures += 1
             if not _is_value_error(exc):
@@ -218,8 +223,7 @@ class BatchWriter:
         """Isolate the entries the database refuses; drop only those (each logged)."""
         for entry in batch:
             try:
-                async with self._engine.begin() as conn:
-                    await self._write(conn, [entry])
+                await in_transaction(self._engine, partial(self._write, batch=[entry]))
             except Exception as exc:
                 if not _is_value_error(exc):
                     self._failures += 1
@@ -253,7 +257,9 @@ class BatchWriter:
                     pending.append((target, fut))
             self._waiters = pending
 
-    async def _write(self, conn: AsyncConnection, batch: Sequence[Entry]) -> None:
+    def _write(self, conn: Connection, batch: Sequence[Entry]) -> None:
+        # may run in a worker thread: it reads ``batch`` (a copy of the buffer's head, whose
+        # entries are never changed once buffered) and the statement cache, nothing else
         rows: dict[str, dict[str, Any]] = {}
         events: list[dict[str, Any]] = []
         instances: dict[str, dict[str, Any]] = {}
@@ -282,16 +288,16 @@ class BatchWriter:
         for row in rows.values():
             by_columns.setdefault(tuple(sorted(row)), []).append(row)
         for columns_set, params in by_columns.items():
-            await conn.execute(self._upsert(REQUESTS, ("request_id",), columns_set), params)
+            conn.execute(self._upsert(REQUESTS, ("request_id",), columns_set), params)
         if events:
-            await conn.execute(EVENTS.insert(), events)
+            conn.execute(EVENTS.insert(), events)
         if instances:
             params = list(instances.values())
             cols = tuple(c for c in params[0] if c != "registered_at")  # kept from the first write
-            await conn.execute(self._upsert(INSTANCES, ("instance_id",), cols), params)
+            conn.execute(self._upsert(INSTANCES, ("instance_id",), cols), params)
         if plans:
             params = list(plans.values())
-            await conn.execute(self._upsert(PLANS, ("plan_id",), tuple(params[0])), params)
+            conn.execute(self._upsert(PLANS, ("plan_id",), tuple(params[0])), params)
 
     def _upsert(self, table: sa.Table, key: tuple[str, ...], columns: tuple[str, ...]) -> Any:
         """``INSERT ... ON CONFLICT (key) DO UPDATE SET col = excluded.col`` for ``columns``."""
