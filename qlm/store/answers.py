@@ -202,7 +202,7 @@ class AnswerLog:
         self, records: Sequence[tuple[StoredAnswer, Any]], lookups: Sequence[str]
     ) -> dict[str, StoredAnswer]:
         """One transaction: insert the new answers (keeping any earlier one), then read back
-        every id involved. Transient failures are retried with backoff, then raised."""
+        every other id involved. Transient failures are retried with backoff, then raised."""
         # two answers for one id in the same round: the first wins, like across rounds
         fresh: dict[str, StoredAnswer] = {}
         for answer, _ in records:
@@ -210,11 +210,22 @@ class AnswerLog:
         wanted = sorted(set(fresh) | set(lookups))
 
         def write_then_read(conn: Connection) -> dict[str, StoredAnswer]:
+            found: dict[str, StoredAnswer] = {}
             if fresh:
-                stmt = self._insert(ANSWERS).on_conflict_do_nothing(index_elements=["request_id"])
-                conn.execute(stmt, [a.columns() for a in fresh.values()])
-            rows = conn.execute(sa.select(ANSWERS).where(ANSWERS.c.request_id.in_(wanted)))
-            return {r["request_id"]: _from_row(r) for r in rows.mappings()}
+                # RETURNING names the rows this insert wrote: those hold what was just given,
+                # so only the others (an earlier answer kept, a lookup) are read back
+                stmt = (
+                    self._insert(ANSWERS)
+                    .on_conflict_do_nothing(index_elements=["request_id"])
+                    .returning(ANSWERS.c.request_id)
+                )
+                written = conn.execute(stmt, [a.columns() for a in fresh.values()]).scalars()
+                found = {rid: fresh[rid] for rid in written}
+            rest = [rid for rid in wanted if rid not in found]
+            if rest:
+                rows = conn.execute(sa.select(ANSWERS).where(ANSWERS.c.request_id.in_(rest)))
+                found.update((r["request_id"], _from_row(r)) for r in rows.mappings())
+            return found
 
         async def transaction() -> dict[str, StoredAnswer]:
             return await in_transaction(self._engine, write_then_read)
