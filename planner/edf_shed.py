@@ -43,9 +43,8 @@ from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import numpy as np
-from scipy.special import ndtri
 
-from qlm.estimator import OutputLengthModel, RCTEstimator, engine_profile
+from qlm.estimator import OutputLengthModel, RCTEstimator, engine_profile, normal_quantile
 from qlm.policy import CompletionObservation, Plan, PlanInstance, PlanRequest, QueuePolicy
 
 NO_CAP = 1 << 20  # output-length cap when the request's max_tokens is not used
@@ -98,7 +97,7 @@ class EDFShedPolicy(QueuePolicy):
         if overrides:
             cfg = replace(cfg, **overrides)
         self.config = cfg
-        self._z = float(ndtri(cfg.length_quantile))
+        self._z = normal_quantile(cfg.length_quantile)
         self.lengths: OutputLengthModel
         if cfg.length_model == "forest":
             from qlm.length_forest import ForestLengthModel, QuantileLengthPredictor

@@ -50,10 +50,10 @@ from typing import Any
 
 import numpy as np
 import structlog
-from scipy.special import ndtr, ndtri
+from scipy.special import ndtr
 
 from qlm.engine_scheduler import KV_SATURATED_FRACTION
-from qlm.estimator import HardwareProfile, OutputLengthModel, RCTEstimator
+from qlm.estimator import HardwareProfile, OutputLengthModel, RCTEstimator, normal_quantile
 from qlm.grouping import GroupingConfig, build_groups, load_clustering
 from qlm.planner.milp import (
     GroupProblem,
@@ -411,7 +411,7 @@ class QLMPolicy(QueuePolicy):
             cfg = replace(cfg, **overrides)
         self.config = cfg
         load_clustering()  # seconds of imports, here and not in the first replan
-        self.z = float(ndtri(cfg.slo_quantile))
+        self.z = normal_quantile(cfg.slo_quantile)
         self._clock: Callable[[], float] = (
             WorkClock() if cfg.budget_clock == "work" else time.perf_counter
         )

@@ -37,9 +37,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import structlog
 from quantile_forest import RandomForestQuantileRegressor
-from scipy.special import ndtri
 
-from qlm.estimator import OutputLengthModel
+from qlm.estimator import OutputLengthModel, normal_quantile
 
 log = structlog.get_logger(__name__)
 
@@ -704,7 +703,7 @@ class ForestLengthModel(OutputLengthModel):
         caps = np.maximum(np.atleast_1d(np.asarray(max_tokens, dtype=np.float64)), 1.0)
         if prompt_tokens is None or not self.uses_forest(model) or len(caps) == 0:
             mean, var = super().predict(model, slo_class, caps)
-            return np.clip(mean + float(ndtri(q)) * np.sqrt(var), 1.0, caps)
+            return np.clip(mean + normal_quantile(q) * np.sqrt(var), 1.0, caps)
         prompts = np.atleast_1d(np.asarray(prompt_tokens, dtype=np.float64))
         feats = self._features(model, slo_class, caps, prompts, tenants, tasks)
         return self.forest.predict_quantiles(feats, [q])[:, 0]

@@ -101,10 +101,10 @@ class Store:
         # a ping before each checkout finds a connection a database server dropped; a SQLite
         # file has none to drop, and the ping cost a thread round trip per transaction (the
         # answer log commits one per reply)
-        ping = not url.startswith("sqlite")
-        engine = create_async_engine(url, pool_pre_ping=ping, **(engine_kwargs or {}))
+        sqlite = make_url(url).get_backend_name() == "sqlite"
+        engine = create_async_engine(url, pool_pre_ping=not sqlite, **(engine_kwargs or {}))
         writers_engine = None
-        if engine.dialect.name == "sqlite":
+        if sqlite:
             sa_event.listen(engine.sync_engine, "connect", _sqlite_pragmas)
             writers_engine = _sync_sqlite_engine(url, engine_kwargs or {})
         return cls(

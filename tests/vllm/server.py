@@ -73,17 +73,13 @@ def make_slow_model(tiny_dir: Path, path: Path) -> Path:
     return path
 
 
-def free_port() -> int:
-    return free_loopback_port()
-
-
 class VllmServer:
     """One ``vllm serve`` process on a free port; ``start()`` waits until it answers."""
 
     def __init__(self, model_dir: Path, log_path: Path, *, port: int | None = None) -> None:
         self.model_dir = model_dir
         self.log_path = log_path
-        self.port = port or free_port()
+        self.port = port or free_loopback_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen[bytes] | None = None
 

@@ -34,12 +34,12 @@ import pytest_asyncio
 from qlm.agents.engine import EngineOutput, EngineRequest, TokenDelta
 from qlm.agents.http import HttpBackendError, HttpEngine, HttpSettings
 from qlm.agents.vllm import vllm_available
+from qlm.tooling.ports import free_loopback_port
 from tests.vllm.server import (
     KV_CACHE_BYTES,
     MAX_NUM_SEQS,
     SERVED_NAME,
     VllmServer,
-    free_port,
     make_slow_model,
 )
 
@@ -461,7 +461,7 @@ async def test_a_server_serving_another_model_fails_start(server: VllmServer) ->
 
 
 async def test_a_dead_url_fails_start() -> None:
-    url = f"http://127.0.0.1:{free_port()}"
+    url = f"http://127.0.0.1:{free_loopback_port()}"
     eng = HttpEngine(MODEL, url, HttpSettings(start_timeout_s=0.5))
     with pytest.raises(HttpBackendError) as err:
         await eng.start(Outputs())
