@@ -89,7 +89,7 @@ CREDIT_MAX_S = 30.0  # long-shot credit is capped at this many seconds of each i
 # batch caps tried, as shares of the batch a full instance runs (largest first), and the
 # smallest cap ever set: below it the weights' pass dominates an iteration and a smaller
 # batch no longer decodes much faster
-CAP_SHARES = (0.75, 0.5, 0.375, 0.25, 0.1875, 0.125)
+CAP_SHARES = (0.9, 0.875, 0.8125, 0.75, 0.5, 0.375, 0.25, 0.1875, 0.125)
 CAP_MIN = 16
 CAP_HOLD_S = 60.0  # a cap stays while latency-bound work was seen this recently
 CAP_TTFT_S = 10.0  # a TTFT SLO this short: the work cannot wait long for a slot
@@ -171,7 +171,7 @@ class QLMConfig:
     cap_load_max: float = 1.0
     # a cap costs throughput: at least this share of the full batch's is kept. Lower it to
     # trade throughput for latency-bound requests met (docs/planner.md, "Batch caps")
-    cap_throughput_min: float = 0.9
+    cap_throughput_min: float = 0.97
 
     def __post_init__(self) -> None:
         if not 0.5 <= self.slo_quantile < 1:
@@ -1715,6 +1715,11 @@ class QLMPolicy(QueuePolicy):
                     own = pre + priced.out_bound[kept] * p.token_time_s
                     lst = np.minimum(priced.e2e[kept] - own, priced.ttft[kept] - pre)
                     if (start + self.z * sd > lst + 1e-9).any():
+                        # too large a batch for the latency-bound work, or too small for
+                        # the rest: the caps that fit lie between, so a miss before the
+                        # first fit asks the next smaller cap, a miss after it ends the search
+                        if chosen is None:
+                            continue
                         break
                 chosen = b
             if chosen is not None:

@@ -15,6 +15,10 @@ from tests.builders import heartbeat
 A100 = "A100-80GB"
 MODEL = "mistral-7b"
 NOW = 1_000.0
+# The default floor (0.97 of the full batch's throughput) allows caps only a little below the
+# full batch, which these small queues do not need; the tests of what a cap does price the
+# trade a lower floor allows.
+FLOOR = 0.9
 
 
 def _inst(iid: str = "i0", cap: int | None = None) -> PlanInstance:
@@ -111,7 +115,7 @@ def test_latency_bound_work_gets_a_smaller_batch() -> None:
     """400 tokens in 20 s: at the full batch (~80 ms a token with its prefills) the decode
     alone takes longer than the SLO; in a smaller batch it meets. The sure batch work beside it
     keeps its deadlines at the capped speed, so the instance is capped."""
-    pol = QLMPolicy()
+    pol = QLMPolicy(cap_throughput_min=FLOOR)
     reqs = [_req(f"chat{k}", 20.0, 400, seq=k) for k in range(4)]
     reqs += [_req(f"batch{k}", 600.0, 200, seq=10 + k) for k in range(20)]
     cap = _cap(pol, reqs, [_inst()])
@@ -139,7 +143,7 @@ def test_a_cap_is_lifted_once_its_reason_lapses_without_a_replan() -> None:
 
 
 def test_the_planner_names_the_instances_it_capped_and_when_their_caps_lapse() -> None:
-    pol = QLMPolicy()
+    pol = QLMPolicy(cap_throughput_min=FLOOR)
     reqs = [_req(f"chat{k}", 20.0, 400, seq=k) for k in range(4)]
     batch = [_req(f"batch{k}", 600.0, 200, seq=10 + k) for k in range(20)]
     assert _cap(pol, reqs + batch, [_inst()]) is not None
@@ -171,12 +175,14 @@ def test_no_cap_while_work_with_a_ttft_of_seconds_is_queued() -> None:
 
 def test_the_cap_never_costs_more_throughput_than_allowed() -> None:
     """A floor of 1.0 allows no throughput loss at all, so no cap; a lower floor allows a
-    smaller cap than a higher one."""
+    smaller cap than a higher one, and the default (0.97) none smaller than 0.9 does."""
     reqs = [_req(f"chat{k}", 20.0, 400, seq=k) for k in range(4)]
     assert _cap(QLMPolicy(cap_throughput_min=1.0), reqs, [_inst()]) is None
     loose = _cap(QLMPolicy(cap_throughput_min=0.5), reqs, [_inst()])
-    tight = _cap(QLMPolicy(cap_throughput_min=0.9), reqs, [_inst()])
+    tight = _cap(QLMPolicy(cap_throughput_min=FLOOR), reqs, [_inst()])
     assert loose is not None and tight is not None and loose < tight
+    default = _cap(QLMPolicy(), reqs, [_inst()])
+    assert default is None or default > tight
 
 
 def test_the_planner_prices_an_instance_at_the_cap_its_agent_applies() -> None:
