@@ -635,17 +635,25 @@ class QLMPolicy(QueuePolicy):
         # most of its coordinator time here): the common paths of _rate, _lane and
         # ahead_tokens are inlined, and a rank tuple is built only for a candidate that can win
         rates_get, lanes_get, load_get = self._rates.get, self._lanes.get, load.get
+        # a candidate that meets and starts at once (nothing ahead, no switch) is beaten only
+        # by another that does on fewer running requests (then a smaller id): the rest of the
+        # instances are compared on that alone, so that an arrival on an idle fleet costs one
+        # tuple comparison per instance
+        at_once: tuple[int, str] | None = None
         for inst in eligible:
             iid = inst.instance_id
-            rate = rates_get((iid, model))
-            if rate is None:
-                rate = self._rate(inst, model)
+            rate = None
             queued = load_get(iid, 0.0)
             if queued < 0.0:
                 queued = 0.0
             lane = lanes_get(iid)
             if lane is None or (queued <= 0.0 and (lane.placed > 0.0 or lane._due)):
+                rate = rates_get((iid, model)) or self._rate(inst, model)
                 lane = self._lane(iid, queued, rate)
+            if at_once is not None and (inst.running, iid) >= at_once:
+                continue
+            if rate is None:
+                rate = rates_get((iid, model)) or self._rate(inst, model)
             priced_due = dues.get(id(rate))
             if priced_due is None:
                 pre = rate.prefill_fixed_s + rate.prefill_s_per_token * request.prompt_tokens
@@ -682,6 +690,8 @@ class QLMPolicy(QueuePolicy):
                 occ = request.prompt_tokens * rate.inv_prefill_tps + out_mean * rate.inv_tps
                 best = (rank, inst, due, occ, shot, at)
                 best_infeasible, best_primary = infeasible, primary
+                if not infeasible and primary <= now:  # start >= now: none starts sooner
+                    at_once = (inst.running, iid)
         assert best is not None
         rank, inst, due, occ, shot, at = best
         infeasible = rank[0]
