@@ -35,7 +35,7 @@ from qlm.control import Completion, Evicted, Heartbeat, InstanceInfo, InstanceSt
 from qlm.coordinator.outcome import first_token_time, slo_outcome
 from qlm.policy import CompletionObservation, Plan, PlanInstance, PlanRequest, QueuePolicy
 from qlm.types import RequestMessage, SLOOutcome
-from qlm.virtual_queue import Restale, VirtualQueue
+from qlm.virtual_queue import QueueTally, Restale, VirtualQueue
 
 log = structlog.get_logger(__name__)
 
@@ -336,6 +336,7 @@ class CoordinatorCore:
         self.instances: dict[str, InstanceState] = {}
         self._live_cache: list[InstanceState] | None = None
         self._load_view = _QueuedLoad([])
+        self._queued = QueueTally()  # requests in every instance's virtual queue
         self.unassigned: list[str] = []
         # Recently answered ids: a redelivery of one of these is acked without a second reply.
         self.answered: OrderedDict[str, None] = OrderedDict()
@@ -685,7 +686,7 @@ class CoordinatorCore:
             if inst is None or inst.status == "lost":
                 inst = InstanceState(
                     info=status.info,
-                    queue=VirtualQueue(iid),
+                    queue=VirtualQueue(iid, self._queued),
                     last_seen=now,
                     credit=status.credit_outstanding,
                     dispatches_sent=status.dispatches_received or 0,
@@ -1169,14 +1170,8 @@ class CoordinatorCore:
         often replans may run is the caller's (wall-clock or simulated) budget."""
         if not self.policy.wants_replan(now):
             return False
-        live = sum(1 for i in self.instances.values() if i.status == "alive")
-        need = MIN_QUEUED_PER_INSTANCE * max(live, 1)
-        queued = len(self.unassigned)
-        for inst in self.instances.values():  # stops as soon as there is enough
-            if queued >= need:
-                return True
-            queued += len(inst.queue)
-        return queued >= need
+        need = MIN_QUEUED_PER_INSTANCE * max(len(self._live()), 1)
+        return len(self.unassigned) + self._queued.count >= need
 
     def replan(self, now: float) -> Plan:
         """Full replan of every queued request with the policy; virtual queues adopt it."""
