@@ -31,6 +31,39 @@ def test_wb_targets_of_issue_17():
     }
 
 
+def test_trace_targets_count_as_overload_what_offers_1_2x_fcfs_peak_throughput():
+    def streams(*rates: float) -> list[dict[str, object]]:
+        return [{"arrival": {"rate_rps": r}} for r in rates]
+
+    summary = {
+        "scenario": "trace",
+        # 7 and 15 req/s offered; FCFS peaks at 12 req/s: only 15 (>= 14.4) is overload
+        "sweep": {
+            "parameter": "streams",
+            "values": [streams(5.0, 2.0), streams(10.0, 5.0)],
+            "variants": ["x1", "x2"],
+        },
+        "policies": {
+            "qlm": {"slo_attainment": [0.9, 0.5], "throughput_rps": [7.0, 11.5]},
+            "fcfs": {"slo_attainment": [0.9, 0.2], "throughput_rps": [7.0, 12.0]},
+            "edf-shed": {"slo_attainment": [0.9, 0.46], "throughput_rps": [7.0, 12.0]},
+            "vllm": {"slo_attainment": [0.9, 0.2], "throughput_rps": [7.0, 11.0]},
+        },
+    }
+    evaluate(summary)
+    met = {c["target"]: c["met"] for c in summary["checks"]}
+    assert met == {
+        "x1: qlm >= every baseline - 1 point": True,
+        "x1: qlm throughput >= 1x vllm": True,
+        "x1: qlm throughput >= 0.97x fcfs": True,
+        "x2: qlm >= every baseline - 1 point": True,
+        # 50 against edf-shed's 46: 4 points, not 5
+        "x2 (overload): qlm >= best of fcfs, edf, edf-shed + 5 points": False,
+        "x2: qlm throughput >= 1x vllm": True,
+        "x2: qlm throughput >= 0.97x fcfs": False,  # 11.5 < 11.64
+    }
+
+
 def test_ablation_judges_each_lso_by_more_than_one_sd():
     """A default LSO pays where removing it costs more than one sd; one that is off by default
     is rightly off where adding it gains no more than one sd."""
@@ -113,7 +146,7 @@ def test_scale_and_rct():
     rct = {"scenario": "rct", "policies": {}, "scatter": {"x": [1, 2], "r2": 0.97}}
     evaluate(rct)
     assert rct["misses"] == []
-    other = {"scenario": "trace", "policies": {}}
+    other = {"scenario": "delta", "policies": {}}
     evaluate(other)
     assert "checks" not in other
 
