@@ -32,6 +32,7 @@ def _pct(x: float | None) -> str:
 
 
 THROUGHPUT_TOLERANCE = 0.001
+OVERLOAD = 1.2  # issue 17: an arrival rate at least 1.2x the capacity
 
 
 def check_wb(summary: Mapping[str, Any], overload_from: float = 16.0) -> list[Check]:
@@ -54,9 +55,6 @@ def check_trace(summary: Mapping[str, Any]) -> list[Check]:
         offered is not None and offered >= OVERLOAD * capacity for offered in _offered(summary)
     ]
     return _against_baselines(summary, overload, unit="", vllm_margin=None)
-
-
-OVERLOAD = 1.2  # issue 17: an arrival rate at least 1.2x the capacity
 
 
 def _offered(summary: Mapping[str, Any]) -> list[float | None]:
