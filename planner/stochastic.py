@@ -85,6 +85,7 @@ FLOW_WINDOW = 2048.0  # completions the served mix is averaged over (exponential
 FLOW_MIN = 32.0  # completions of a model before its served mix replaces the queued one
 DISPATCH_MEMORY = 1024  # requests per instance remembered after they left its queue
 LOAD_WINDOW_S = 60.0  # the sure work's arrival rate is averaged over about this long
+RECENT_S = 10.0  # ...and whether it still arrives is judged over about this long
 CREDIT_MAX_S = 30.0  # long-shot credit is capped at this many seconds of each instance
 # batch caps tried, as shares of the batch a full instance runs (largest first), and the
 # smallest cap ever set: below it the weights' pass dominates an iteration and a smaller
@@ -93,6 +94,15 @@ CAP_SHARES = (0.9, 0.875, 0.8125, 0.75, 0.5, 0.375, 0.25, 0.1875, 0.125)
 CAP_MIN = 16
 CAP_HOLD_S = 60.0  # a cap stays while latency-bound work was seen this recently
 CAP_TTFT_S = 10.0  # a TTFT SLO this short: the work cannot wait long for a slot
+
+
+def _spread_s(slo_s: float | None) -> float:
+    """The time an arrival's occupancy is spread over in the sure load: its SLO, rounded
+    down to LOAD_WINDOW_S times a power of two (a handful of decayed sums), at least
+    LOAD_WINDOW_S."""
+    if slo_s is None or not slo_s > 2 * LOAD_WINDOW_S or not math.isfinite(slo_s):
+        return LOAD_WINDOW_S
+    return LOAD_WINDOW_S * 2.0 ** math.floor(math.log2(slo_s / LOAD_WINDOW_S))
 
 
 @dataclass(frozen=True)
@@ -456,8 +466,10 @@ class QLMPolicy(QueuePolicy):
         self._left: dict[str, deque[tuple[str, float, float, int]]] = {}
         self._tail_ranks: list[dict[str, int]] = []  # per instance: model -> its tail run
         # long shots spend only the capacity sure work leaves: the occupancy of sure arrivals
-        # (decayed over LOAD_WINDOW_S) against the instances, and the credit the rest accrues
-        self._sure_load = 0.0  # decayed Σ occupancy (s) of arrivals that can meet at Δ
+        # (_sure_rate) against the instances, and the credit the rest accrues. Per spread
+        # (_spread_s of the SLO): the decayed Σ occupancy (s) of the arrivals that can meet at
+        # Δ over LOAD_WINDOW_S, over the spread, and over RECENT_S
+        self._sure_load: dict[float, list[float]] = {}
         self._credit = 0.0  # instance-seconds long shots may still take
         self._load_at: float | None = None
         # (arrival time, SLO s) of sure arrivals, SLOs increasing: the window's minimum first
@@ -698,9 +710,13 @@ class QLMPolicy(QueuePolicy):
         if self.config.long_shot_quantile is not None:
             self._accrue(now, len(eligible))
             if not shot:
-                self._sure_load += occ
-                if request.deadline is not None:
-                    self._note_sure_slo(now, request.deadline - request.arrival_time)
+                slo = None if request.deadline is None else request.deadline - request.arrival_time
+                sums = self._sure_load.setdefault(_spread_s(slo), [0.0, 0.0, 0.0])
+                sums[0] += occ
+                sums[1] += occ
+                sums[2] += occ
+                if slo is not None:
+                    self._note_sure_slo(now, slo)
             elif (
                 not infeasible
                 and due >= now
@@ -746,12 +762,34 @@ class QLMPolicy(QueuePolicy):
             self._load_at = now
         dt = max(now - self._load_at, 0.0)
         self._load_at = now
-        self._sure_load *= math.exp(-dt / LOAD_WINDOW_S)
+        if dt > 0.0:
+            fast, recent = math.exp(-dt / LOAD_WINDOW_S), math.exp(-dt / RECENT_S)
+            for spread, sums in self._sure_load.items():
+                sums[0] *= fast
+                sums[1] *= math.exp(-dt / spread)
+                sums[2] *= recent
         # demand above capacity drains the credit: what spare capacity was saved up is spent
         # by the backlog of sure work, not left for long shots
-        spare = n_inst - self._sure_load / LOAD_WINDOW_S
+        spare = n_inst - self._sure_rate()
         floor = -self._borrow_s() * n_inst  # what long shots may owe
         self._credit = min(max(self._credit + spare * dt, floor), CREDIT_MAX_S * n_inst)
+
+    def _sure_rate(self) -> float:
+        """Instances' worth of capacity the sure work needs: its occupancy's arrival rate over
+        the last LOAD_WINDOW_S, except that work with SLOs of minutes or more that came as a
+        burst is spread over its SLO. A burst of work with an hour to go needs a share of
+        an hour's capacity, not the next minute's, and should not starve long shots of the
+        capacity its slack leaves (the batch-api scenario's 10,000 requests at once).
+
+        Per spread: min(over LOAD_WINDOW_S, over the spread + over RECENT_S). A stream that
+        goes on keeps the last term at its rate, so the minimum is its rate at once (an
+        overload of slack-rich work is seen within seconds, not after its SLO); once a burst
+        ends, the last term fades within a minute and the burst counts spread. Work whose
+        spread is LOAD_WINDOW_S counts as its arrival rate."""
+        rate = 0.0
+        for spread, (fast, slow, recent) in self._sure_load.items():
+            rate += min(fast / LOAD_WINDOW_S, slow / spread + recent / RECENT_S)
+        return rate
 
     def _note_sure_slo(self, now: float, slo_s: float) -> None:
         """A sliding-window minimum of the sure arrivals' SLOs (monotonic deque)."""
@@ -1672,7 +1710,7 @@ class QLMPolicy(QueuePolicy):
             self._ttft_at = now
         if now - self._ttft_at <= CAP_HOLD_S:
             return caps
-        per_instance = self._sure_load / LOAD_WINDOW_S / n_live
+        per_instance = self._sure_rate() / n_live
         floor = self.config.cap_throughput_min
         for g, inst in enumerate(live):
             q = queues[g]

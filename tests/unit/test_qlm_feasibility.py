@@ -200,10 +200,12 @@ def test_arrival_keys_are_bounded_and_fresh() -> None:
 
 
 def long_shot_case(
-    overload: bool, borrow: float = 0.5
+    overload: bool, borrow: float = 0.5, batch_slo_s: float = 300.0, burst: bool = False
 ) -> tuple[QLMPolicy, PlanRequest, PlanRequest]:
     """Interactive outputs fit N(400, ~290²): a deadline between its 0.2- and 0.9-quantile
-    decode times misses at Δ even if started now, but a short output (P ≈ 0.5 here) meets."""
+    decode times misses at Δ even if started now, but a short output (P ≈ 0.5 here) meets.
+    In overload 9,600 batch requests arrive over the 240 s before it (40/s), or with
+    ``burst`` all within 5 s, 120 s before it."""
     pol = QLMPolicy(long_shot_borrow=borrow)
     rng = np.random.default_rng(0)
     for cls in ("interactive", "batch"):
@@ -218,8 +220,10 @@ def long_shot_case(
     t = NOW + 240.0
     load, seq = 0.0, 1
     # overload: sure (batch) arrivals worth more instance-seconds than the instance has
+    first, gap = (t - 120, 5.0 / 9600) if burst else (t - 240, 0.025)
     for k in range(9600 if overload else 1):  # 40/s, ~1.4 × what the instance serves
-        b = PlanRequest(f"b{k}", "mistral-7b", 200, 1024, t - 240 + k * 0.025, t + 300, None, seq)
+        at = first + k * gap
+        b = PlanRequest(f"b{k}", "mistral-7b", 200, 1024, at, at + batch_slo_s, None, seq)
         b = dataclasses.replace(b, slo_class="batch")
         pol.place(b, i0, {"i0": load}, b.arrival_time)
         load += pol.work_tokens(b)
@@ -260,6 +264,18 @@ def test_in_overload_a_long_shot_is_demoted() -> None:
     assert pol.sort_key(shot)[:2] == (TAIL, HOPELESS)
     plan = pol.plan([batch, shot], [inst()], shot.arrival_time)
     assert plan.queues["i0"] == ["b0", "shot"]
+
+
+def test_a_burst_of_slack_rich_work_leaves_long_shots_the_capacity_its_slack_spares() -> None:
+    """9,600 batch requests with an hour's SLO, at once, are ~1,340 s of the instance's work:
+    spread over their hour they leave capacity, and 115 s after the burst (when a minute's
+    average still counts it twice the instance) a long shot is admitted with nothing to
+    borrow. The same work arriving all along (40/s, 1.4x) is an
+    overload as soon as it arrives, whatever its SLO, and the long shot is demoted."""
+    pol, shot, _ = long_shot_case(overload=True, borrow=0.0, batch_slo_s=3600.0, burst=True)
+    assert pol.sort_key(shot)[0] == FEASIBLE
+    pol, shot, _ = long_shot_case(overload=True, borrow=0.0, batch_slo_s=3600.0)
+    assert pol.sort_key(shot)[:2] == (TAIL, HOPELESS)
 
 
 def test_kept_work_past_its_latest_start_is_demoted_at_dispatch() -> None:
