@@ -80,6 +80,7 @@ log = structlog.get_logger(__name__)
 FEASIBLE, TAIL = 0, 1  # first element of a sort key: kept work, then the best-effort tail
 ALIVE, HOPELESS = 0, 1  # second element of a tail key
 PENDING_MAX = 64  # arrivals since the plan kept apart per instance before being merged in
+LENGTHS_SEEN_MAX = 4096  # (model, class, max_tokens) answers kept between completions
 ARRIVAL_KEYS_MAX = 65_536  # arrival sort keys remembered (only needed right after place())
 FLOW_WINDOW = 2048.0  # completions the served mix is averaged over (exponential decay)
 FLOW_MIN = 32.0  # completions of a model before its served mix replaces the queued one
@@ -181,7 +182,7 @@ class QLMConfig:
     cap_load_max: float = 1.0
     # a cap costs throughput: at least this share of the full batch's is kept. Lower it to
     # trade throughput for latency-bound requests met (docs/planner.md, "Batch caps")
-    cap_throughput_min: float = 0.97
+    cap_throughput_min: float = 0.98
 
     def __post_init__(self) -> None:
         if not 0.5 <= self.slo_quantile < 1:
@@ -475,6 +476,10 @@ class QLMPolicy(QueuePolicy):
         # (arrival time, SLO s) of sure arrivals, SLOs increasing: the window's minimum first
         self._sure_slos: deque[tuple[float, float]] = deque()
         self._shots: set[str] = set()  # long shots admitted, still queued
+        # _lengths_of's answers while the length model stays at one version (place() asks
+        # for every arrival; a per-group fit answers the same between completions)
+        self._lengths_seen: dict[tuple[str, str | None, int], tuple[float, float, float]] = {}
+        self._lengths_at: tuple[OutputLengthModel, int] | None = None  # whose, which version
         self._bound_at: dict[str, float] = {}  # model -> when a plan last saw latency-bound work
         self._ttft_at = -math.inf  # when a plan last saw work with a TTFT SLO of seconds
         # instance id -> when the cap the last plan set there lapses unless a plan sees
@@ -830,19 +835,28 @@ class QLMPolicy(QueuePolicy):
     def _lengths_of(self, r: PlanRequest) -> tuple[float, float, float]:
         """(mean, Δ-quantile bound, long-shot bound) of one request's output tokens."""
         lengths = self.estimator.lengths
+        key: tuple[str, str | None, int] | None = None
+        if lengths.per_group:  # the same figures until a completion is learnt
+            at = self._lengths_at
+            if at is None or at[0] is not lengths or at[1] != lengths.version:
+                self._lengths_seen.clear()
+                self._lengths_at = (lengths, lengths.version)
+            key = (r.model, r.slo_class, r.max_tokens)
+            seen = self._lengths_seen.get(key)
+            if seen is not None:
+                return seen
         cap = np.array([max(r.max_tokens, 1)], dtype=np.float64)
         prompt = np.array([r.prompt_tokens], dtype=np.float64)
-        mean, _ = lengths.predict(r.model, r.slo_class, cap, prompt_tokens=prompt)
-        bound = lengths.upper_bound(
-            r.model, r.slo_class, cap, self._feasible_q, prompt_tokens=prompt
-        )
         shot_q = self.config.long_shot_quantile
-        shot = (
-            bound
-            if shot_q is None
-            else lengths.upper_bound(r.model, r.slo_class, cap, shot_q, prompt_tokens=prompt)
-        )
-        return float(mean[0]), float(bound[0]), float(min(shot[0], bound[0]))
+        qs = [self._feasible_q] if shot_q is None else [self._feasible_q, shot_q]
+        mean, bounds = lengths.mean_and_bounds(r.model, r.slo_class, cap, qs, prompt_tokens=prompt)
+        bound = float(bounds[0][0])
+        out = (float(mean[0]), bound, min(float(bounds[-1][0]), bound))
+        if key is not None:
+            if len(self._lengths_seen) >= LENGTHS_SEEN_MAX:
+                self._lengths_seen.clear()
+            self._lengths_seen[key] = out
+        return out
 
     def _rate(self, inst: PlanInstance, model: str) -> _Rate:
         """The (instance, model) timing of the last plan, else priced now at the context last

@@ -1270,13 +1270,15 @@ def bench_glance_cmd(
 ) -> None:
     """Results at a glance: one row per run of `qlm bench sim` - qlm against the strongest
     baseline where it fares worst, the hindsight bound, the target, met or missed. With
-    --write, also every run's attainment table between its `attainment:RUN` markers."""
+    --write, also every run's attainment table between its `attainment:RUN` markers and the
+    simulator speed table (qlm's wall time against EDF's) between the `speed` markers."""
     from qlm.tooling.simulator.glance import (
         glance_markdown,
         glance_rows,
         load_summaries,
         write_attainment_blocks,
         write_into,
+        write_speed_block,
     )
 
     summaries = load_summaries(root, runs.split(",") if runs else None)
@@ -1286,6 +1288,8 @@ def bench_glance_cmd(
         write_into(write, table)
         for name in write_attainment_blocks(write, summaries):
             typer.echo(f"wrote the attainment table of {name}")
+        if write_speed_block(write, summaries):
+            typer.echo("wrote the simulator speed table")
 
 
 @bench_app.command("planner")

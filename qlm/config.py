@@ -80,7 +80,7 @@ class Settings(BaseSettings):
     planner_objective: Literal["attainment", "service-gain"] = "attainment"
     # the qlm planner's batch caps keep at least this share of an instance's full-batch
     # throughput (docs/planner.md, "Batch caps"); 1 never caps
-    planner_cap_throughput_min: float = Field(default=0.97, gt=0, le=1)
+    planner_cap_throughput_min: float = Field(default=0.98, gt=0, le=1)
     # the batch tier (docs/architecture.md): requests with ≥ batch_min_slack_s to their
     # deadline wait in the durable queue for spare capacity or their promotion time
     batch_tier: bool = True

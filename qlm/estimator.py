@@ -215,6 +215,11 @@ def _prior_sample(table: str) -> np.ndarray:
     return np.sort(np.maximum(np.asarray(outs, dtype=np.float64), 1.0))
 
 
+def _exact_sums(largest: float, n: int) -> bool:
+    """Whether n whole numbers up to ``largest`` have exact float sums of their squares."""
+    return largest >= 0 and largest * largest * n < 2.0**53
+
+
 @lru_cache(maxsize=8)
 def prior_sample(table: str) -> np.ndarray:
     return _prior_sample(table)
@@ -227,12 +232,22 @@ class _Sample:
     The history of a key changes by one completion at a time, so the sample is kept sorted by
     inserting (and dropping the value that leaves the window) in place, O(n) memory moves,
     instead of re-sorting after every completion; the prefix sums are rebuilt, O(n), only
-    when a prediction needs them."""
+    when a prediction of several caps needs them. Whole token counts (whose sums of squares
+    stay below 2**53) have exact float sums however they are summed: their totals are kept
+    as values come and go, and one cap's moments take the total less the values at or above
+    it (few: the longest outputs), so that place(), which prices every arrival at its one
+    cap between completions, never waits for a rebuild."""
 
     def __init__(self, values: np.ndarray) -> None:
         self.values = np.sort(values.astype(np.float64))
         self._cum: np.ndarray | None = None
         self._cum2: np.ndarray | None = None
+        v = self.values
+        self._exact = bool(
+            len(v) == 0 or (np.all(v == np.floor(v)) and _exact_sums(float(v[-1]), len(v)))
+        )
+        self._total = float(v.sum()) if self._exact else 0.0
+        self._total2 = float((v * v).sum()) if self._exact else 0.0
 
     def __len__(self) -> int:
         return len(self.values)
@@ -240,11 +255,20 @@ class _Sample:
     def add(self, value: float, drop: float | None = None) -> None:
         """Insert ``value`` and, when the window is full, remove one copy of ``drop``."""
         v = self.values
+        if self._exact and not (
+            value == math.floor(value)
+            and _exact_sums(max(value, float(v[-1]) if len(v) else 0.0), len(v) + 1)
+        ):
+            self._exact = False
         if drop is not None:
             k = int(np.searchsorted(v, drop, side="left"))
             if k < len(v) and v[k] == drop:
                 v = np.delete(v, k)
+                self._total -= drop
+                self._total2 -= drop * drop
         self.values = np.insert(v, int(np.searchsorted(v, value, side="right")), value)
+        self._total += value
+        self._total2 += value * value
         self._cum = self._cum2 = None
 
     def _sums(self) -> tuple[np.ndarray, np.ndarray]:
@@ -263,10 +287,16 @@ class _Sample:
 
     def truncated_moments(self, cap: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         n = len(self.values)
-        cum, cum2 = self._sums()
         k = np.searchsorted(self.values, cap, side="left")  # values below the cap
-        m1 = (cum[k] + cap * (n - k)) / n
-        m2 = (cum2[k] + cap**2 * (n - k)) / n
+        if self._exact and self._cum is None and np.ndim(cap) == 1 and len(cap) == 1:
+            tail = self.values[int(k[0]) :]  # the same sums as the prefix sums', exactly
+            below = np.array([self._total - float(tail.sum())])
+            below2 = np.array([self._total2 - float((tail * tail).sum())])
+        else:
+            cum, cum2 = self._sums()
+            below, below2 = cum[k], cum2[k]
+        m1 = (below + cap * (n - k)) / n
+        m2 = (below2 + cap**2 * (n - k)) / n
         return m1, m2
 
 
@@ -292,6 +322,18 @@ class OutputLengthModel:
         self._history: dict[tuple[str, str | None], deque[float]] = {}
         self._samples: dict[tuple[str, str | None], _Sample] = {}
         self._prior: _Sample | None = None
+        self.version = 0  # counts completions learnt: predictions change only with it
+
+    @property
+    def per_group(self) -> bool:
+        """Whether a prediction depends on (model, SLO class, max_tokens) and ``version``
+        alone (this fit), so that a caller may keep it until ``version`` changes; a subclass
+        that prices each request says no."""
+        cls = type(self)
+        return (
+            cls.predict is OutputLengthModel.predict
+            and cls.upper_bound is OutputLengthModel.upper_bound
+        )
 
     def observe(
         self,
@@ -311,6 +353,7 @@ class OutputLengthModel:
             raise ValueError("output_tokens must be >= 0")
         key = (model, slo_class)
         hist = self._history.setdefault(key, deque())
+        self.version += 1
         value = float(max(output_tokens, 1))
         hist.append(value)
         drop = hist.popleft() if len(hist) > self.history_limit else None
@@ -378,6 +421,33 @@ class OutputLengthModel:
         caps = np.maximum(np.atleast_1d(np.asarray(max_tokens, dtype=np.float64)), 1.0)
         mean, var = self.predict(model, slo_class, caps)
         return np.clip(mean + normal_quantile(q) * np.sqrt(var), 1.0, caps)
+
+    def mean_and_bounds(
+        self,
+        model: str,
+        slo_class: str | None,
+        max_tokens: np.ndarray,
+        qs: Sequence[float],
+        *,
+        prompt_tokens: np.ndarray | None = None,
+    ) -> tuple[np.ndarray, list[np.ndarray]]:
+        """:meth:`predict`'s mean and :meth:`upper_bound` at each of ``qs``: what the planner
+        asks of every arrival. This per-group fit answers all from one prediction (the same
+        figures as the separate calls); a subclass with its own predictions is asked each."""
+        if not self.per_group:
+            mean, _ = self.predict(model, slo_class, max_tokens, prompt_tokens=prompt_tokens)
+            bounds = [
+                self.upper_bound(model, slo_class, max_tokens, q, prompt_tokens=prompt_tokens)
+                for q in qs
+            ]
+            return mean, bounds
+        for q in qs:
+            if not 0.0 < q < 1.0:
+                raise ValueError(f"q must lie in (0, 1), got {q!r}")
+        caps = np.maximum(np.atleast_1d(np.asarray(max_tokens, dtype=np.float64)), 1.0)
+        mean, var = self.predict(model, slo_class, caps)
+        sd = np.sqrt(var)
+        return mean, [np.clip(mean + normal_quantile(q) * sd, 1.0, caps) for q in qs]
 
 
 # ------------------------------------------------------------------ the max of n (eq. 5)

@@ -13,8 +13,10 @@ from qlm.tooling.simulator.glance import (
     attainment_markdown,
     glance_markdown,
     glance_row,
+    speed_markdown,
     write_attainment_blocks,
     write_into,
+    write_speed_block,
 )
 
 
@@ -90,3 +92,22 @@ def test_a_runs_attainment_table_has_qlm_first_mean_sd_and_the_bound(tmp_path: P
     text = page.read_text()
     assert "old" not in text and "| 8 | 60.0 ± 2.0 | 65.0 | 50.0 | 90.0 |" in text
     assert "keep" in text  # a block whose run is not given stays as it was
+
+
+def test_the_speed_table_sets_qlms_wall_time_against_edfs(tmp_path: Path) -> None:
+    fast = summary([0.9, 0.6], [0.85, 0.65], [0.95, 0.5])
+    fast["policies"]["qlm"].update(sim_wall_s=[1.0, 2.0], planner_wall_s=[0.5, 0.5])
+    fast["policies"]["edf"]["sim_wall_s"] = [1.0, 1.0]
+    slow = summary([0.9, 0.6], [0.85, 0.65], [0.95, 0.5])
+    slow["policies"]["qlm"]["sim_wall_s"] = 9.0
+    slow["policies"]["edf"]["sim_wall_s"] = 1.5
+    alone = {"policies": {"qlm": {"sim_wall_s": 1.0}}}  # no EDF: no row
+    table = speed_markdown({"fast": fast, "slow": slow, "alone": alone})
+    assert "| fast | 3.0 | 1.0 | 2.0 | 1.5× | met |" in table
+    assert "| slow | 9.0 | – | 1.5 | 6.0× | **missed** |" in table
+    assert "alone" not in table
+    page = tmp_path / "b.md"
+    page.write_text("a\n<!-- speed:begin -->\nold\n<!-- speed:end -->\nb\n")
+    assert write_speed_block(page, {"fast": fast})
+    assert "old" not in page.read_text() and "| fast |" in page.read_text()
+    assert not write_speed_block(_unmarked(tmp_path), {"fast": fast})

@@ -416,7 +416,7 @@ def test_batch_caps_meet_more_latency_bound_requests_in_overload():
     for cap in (True, False):
         result = ClusterSimulator(
             instances(2),
-            # a floor below the default 0.97 (docs/planner.md, "Batch caps": the trade)
+            # a floor below the default 0.98 (docs/planner.md, "Batch caps": the trade)
             create_policy("qlm", budget_clock="work", cap_throughput_min=0.9),
             reqs,
             SimConfig(lso=LSOSwitches(warm_start=True, batch_cap=cap)),

@@ -15,7 +15,7 @@ from tests.builders import heartbeat
 A100 = "A100-80GB"
 MODEL = "mistral-7b"
 NOW = 1_000.0
-# The default floor (0.97 of the full batch's throughput) allows caps only a little below the
+# The default floor (0.98 of the full batch's throughput) allows caps only a little below the
 # full batch, which these small queues do not need; the tests of what a cap does price the
 # trade a lower floor allows.
 FLOOR = 0.9
@@ -175,7 +175,7 @@ def test_no_cap_while_work_with_a_ttft_of_seconds_is_queued() -> None:
 
 def test_the_cap_never_costs_more_throughput_than_allowed() -> None:
     """A floor of 1.0 allows no throughput loss at all, so no cap; a lower floor allows a
-    smaller cap than a higher one, and the default (0.97) none smaller than 0.9 does."""
+    smaller cap than a higher one, and the default (0.98) none smaller than 0.9 does."""
     reqs = [_req(f"chat{k}", 20.0, 400, seq=k) for k in range(4)]
     assert _cap(QLMPolicy(cap_throughput_min=1.0), reqs, [_inst()]) is None
     loose = _cap(QLMPolicy(cap_throughput_min=0.5), reqs, [_inst()])

@@ -193,6 +193,62 @@ def test_the_history_stays_sorted_without_resorting() -> None:
     assert (bound <= caps).all() and bound[2] > model.predict("m", None, caps)[0][2]
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.integers(1, 5000), min_size=1, max_size=300),
+    st.lists(st.integers(1, 6000), min_size=1, max_size=4),
+    st.integers(1, 64),
+)
+def test_one_caps_prediction_between_completions_is_the_rebuilt_samples_to_the_bit(
+    outputs: list[int], caps: list[int], window: int
+) -> None:
+    """place() prices each arrival at its one cap between completions from running totals of
+    the window (whole token counts: exact sums), not rebuilt prefix sums: the same floats as a
+    sample rebuilt from the window, and mean_and_bounds() as predict() and upper_bound()."""
+    model = OutputLengthModel("sharegpt", history_limit=window)
+    for k, out in enumerate(outputs):
+        model.observe("m", "c", out)
+        if k % 7 and k != len(outputs) - 1:
+            continue
+        fresh = OutputLengthModel("sharegpt", history_limit=window)
+        for v in outputs[max(0, k + 1 - window) : k + 1]:
+            fresh.observe("m", "c", v)
+        for cap in caps:
+            one = np.array([float(cap)])
+            got, want = model.predict("m", "c", one), fresh.predict("m", "c", one)
+            assert got[0][0] == want[0][0] and got[1][0] == want[1][0]
+            mean, (b90, b05) = model.mean_and_bounds("m", "c", one, [0.9, 0.05])
+            assert mean[0] == got[0][0]
+            assert b90[0] == model.upper_bound("m", "c", one, 0.9)[0]
+            assert b05[0] == model.upper_bound("m", "c", one, 0.05)[0]
+        several = np.array([float(c) for c in caps])
+        got, want = model.predict("m", "c", several), fresh.predict("m", "c", several)
+        assert (got[0] == want[0]).all() and (got[1] == want[1]).all()
+    assert model.version == len(outputs) and model.per_group
+
+
+def test_place_keeps_an_arrivals_lengths_only_until_a_completion_is_learnt() -> None:
+    pol = QLMPolicy()
+    r = PlanRequest("r", "m", 100, 1024, 0.0, 30.0, None, slo_class="c")
+    lengths = pol.estimator.lengths
+    first = pol._lengths_of(r)
+    assert pol._lengths_of(r) == first  # kept
+    for out in (20, 30, 40) * 20:
+        lengths.observe("m", "c", out)
+    learnt = pol._lengths_of(r)
+    assert learnt[0] < first[0]  # short answers seen: a new fit
+    mean, (bound, shot) = lengths.mean_and_bounds(
+        "m", "c", np.array([1024.0]), [pol._feasible_q, 0.05]
+    )
+    assert learnt == (float(mean[0]), float(bound[0]), min(float(shot[0]), float(bound[0])))
+
+
+def test_a_model_that_prices_each_request_is_asked_each_time() -> None:
+    from qlm.length_forest import ForestLengthModel
+
+    assert not ForestLengthModel().per_group
+
+
 # ------------------------------------------------------------------ estimates at dispatch
 A100, MISTRAL = "A100-80GB", "mistral-7b"
 

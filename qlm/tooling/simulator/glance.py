@@ -23,6 +23,7 @@ from typing import Any
 from qlm.tooling.simulator.report import HINDSIGHT, SUMMARY_JSON
 
 SLACK_POINTS = 1.0  # qlm may trail a baseline by this much (sampling noise between policies)
+SPEED_RATIO_MAX = 2.0  # issue 17: qlm's simulator wall time at most this times EDF's
 QLM = "qlm"
 
 
@@ -253,3 +254,54 @@ def glance_markdown(rows: Sequence[GlanceRow]) -> str:
             f"| {_fmt(r.bound)} | {r.target} | {'met' if r.met else '**missed**'} | {r.why} |"
         )
     return head + "\n".join(lines) + "\n"
+
+
+SPEED_BEGIN, SPEED_END = "<!-- speed:begin -->", "<!-- speed:end -->"
+
+
+def _total(value: Any) -> float | None:
+    """A metric's sum over the points (each a mean over the seeds)."""
+    if value is None:
+        return None
+    values = value if isinstance(value, list) else [value]
+    if any(v is None for v in values):
+        return None
+    return float(sum(values))
+
+
+def speed_markdown(summaries: Mapping[str, Mapping[str, Any]]) -> str:
+    """Issue 17's speed target, per run that has both qlm and EDF: each one's simulator wall
+    time over every point (mean over the seeds), qlm's planner share, and the ratio against
+    the target (qlm at most SPEED_RATIO_MAX times EDF's)."""
+    head = (
+        "| scenario | qlm sim wall s | of it, qlm's planner s | EDF sim wall s | qlm / EDF "
+        f"| target ≤ {SPEED_RATIO_MAX:g}× |\n"
+        "|---|---:|---:|---:|---:|---|\n"
+    )
+    lines = []
+    for name, summary in summaries.items():
+        policies = summary.get("policies", {})
+        if QLM not in policies or "edf" not in policies:
+            continue
+        qlm = _total(policies[QLM].get("sim_wall_s"))
+        edf = _total(policies["edf"].get("sim_wall_s"))
+        planner = _total(policies[QLM].get("planner_wall_s"))
+        if qlm is None or edf is None or edf <= 0:
+            continue
+        ratio = qlm / edf
+        lines.append(
+            f"| {name} | {qlm:.1f} | {_fmt(planner)} | {edf:.1f} | {ratio:.1f}× "
+            f"| {'met' if ratio <= SPEED_RATIO_MAX else '**missed**'} |"
+        )
+    return head + "\n".join(lines) + "\n"
+
+
+def write_speed_block(page: Path, summaries: Mapping[str, Mapping[str, Any]]) -> bool:
+    """Replace the page's speed block, if it has one."""
+    text = page.read_text()
+    if SPEED_BEGIN not in text or SPEED_END not in text:
+        return False
+    head, rest = text.split(SPEED_BEGIN, 1)
+    _, tail = rest.split(SPEED_END, 1)
+    page.write_text(f"{head}{SPEED_BEGIN}\n{speed_markdown(summaries)}{SPEED_END}{tail}")
+    return True
