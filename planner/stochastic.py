@@ -845,13 +845,21 @@ class QLMPolicy(QueuePolicy):
             seen = self._lengths_seen.get(key)
             if seen is not None:
                 return seen
-        cap = np.array([max(r.max_tokens, 1)], dtype=np.float64)
-        prompt = np.array([r.prompt_tokens], dtype=np.float64)
         shot_q = self.config.long_shot_quantile
         qs = [self._feasible_q] if shot_q is None else [self._feasible_q, shot_q]
-        mean, bounds = lengths.mean_and_bounds(r.model, r.slo_class, cap, qs, prompt_tokens=prompt)
-        bound = float(bounds[0][0])
-        out = (float(mean[0]), bound, min(float(bounds[-1][0]), bound))
+        if key is not None:
+            mean, (bound, *shot) = lengths.mean_and_bounds_at(
+                r.model, r.slo_class, r.max_tokens, qs
+            )
+            out = (mean, bound, min(shot[-1], bound) if shot else bound)
+        else:
+            cap = np.array([max(r.max_tokens, 1)], dtype=np.float64)
+            prompt = np.array([r.prompt_tokens], dtype=np.float64)
+            means, bounds = lengths.mean_and_bounds(
+                r.model, r.slo_class, cap, qs, prompt_tokens=prompt
+            )
+            bound = float(bounds[0][0])
+            out = (float(means[0]), bound, min(float(bounds[-1][0]), bound))
         if key is not None:
             if len(self._lengths_seen) >= LENGTHS_SEEN_MAX:
                 self._lengths_seen.clear()

@@ -299,6 +299,22 @@ class _Sample:
         m2 = (below2 + cap**2 * (n - k)) / n
         return m1, m2
 
+    def moments_at(self, cap: float) -> tuple[float, float]:
+        """:meth:`truncated_moments` at one cap, in Python floats: the same operations in the
+        same order, so the same figures to the bit, without numpy's cost per call on arrays
+        of one (place() asks this of every arrival)."""
+        v = self.values
+        n = len(v)
+        k = int(np.searchsorted(v, cap, side="left"))
+        if self._exact and self._cum is None:
+            tail = v[k:]
+            below = self._total - float(tail.sum())
+            below2 = self._total2 - float((tail * tail).sum())
+        else:
+            cum, cum2 = self._sums()
+            below, below2 = float(cum[k]), float(cum2[k])
+        return (below + cap * (n - k)) / n, (below2 + cap * cap * (n - k)) / n
+
 
 class OutputLengthModel:
     """Output tokens per (model, SLO class): a prior sample mixed with observed completions.
@@ -448,6 +464,38 @@ class OutputLengthModel:
         mean, var = self.predict(model, slo_class, caps)
         sd = np.sqrt(var)
         return mean, [np.clip(mean + normal_quantile(q) * sd, 1.0, caps) for q in qs]
+
+    def mean_and_bounds_at(
+        self, model: str, slo_class: str | None, max_tokens: int, qs: Sequence[float]
+    ) -> tuple[float, list[float]]:
+        """:meth:`mean_and_bounds` of one request of this per-group fit (``per_group``), in
+        Python floats: :meth:`predict`'s operations in its order, so the same figures to the
+        bit."""
+        if not self.per_group:
+            raise TypeError("a model that prices each request needs its features")
+        for q in qs:
+            if not 0.0 < q < 1.0:
+                raise ValueError(f"q must lie in (0, 1), got {q!r}")
+        cap = max(float(max_tokens), 1.0)
+        key = (model, slo_class)
+        hist = self._history.get(key)
+        n_hist = len(hist) if hist else 0
+        prior = self._prior_sample()
+        if prior is None:
+            p1, p2 = cap, cap * cap
+        else:
+            p1, p2 = prior.moments_at(cap)
+        if n_hist:
+            sample = self._samples.get(key)
+            if sample is None:
+                sample = self._samples[key] = _Sample(np.asarray(hist))
+            h1, h2 = sample.moments_at(cap)
+            w = n_hist / (n_hist + self.prior_weight)
+            m1, m2 = w * h1 + (1 - w) * p1, w * h2 + (1 - w) * p2
+        else:
+            m1, m2 = p1, p2
+        sd = math.sqrt(max(m2 - m1 * m1, 0.0))
+        return m1, [min(max(m1 + normal_quantile(q) * sd, 1.0), cap) for q in qs]
 
 
 # ------------------------------------------------------------------ the max of n (eq. 5)

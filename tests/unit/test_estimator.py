@@ -204,7 +204,8 @@ def test_one_caps_prediction_between_completions_is_the_rebuilt_samples_to_the_b
 ) -> None:
     """place() prices each arrival at its one cap between completions from running totals of
     the window (whole token counts: exact sums), not rebuilt prefix sums: the same floats as a
-    sample rebuilt from the window, and mean_and_bounds() as predict() and upper_bound()."""
+    sample rebuilt from the window, and mean_and_bounds() (and its one-request form in Python
+    floats) as predict() and upper_bound()."""
     model = OutputLengthModel("sharegpt", history_limit=window)
     for k, out in enumerate(outputs):
         model.observe("m", "c", out)
@@ -219,6 +220,8 @@ def test_one_caps_prediction_between_completions_is_the_rebuilt_samples_to_the_b
             assert got[0][0] == want[0][0] and got[1][0] == want[1][0]
             mean, (b90, b05) = model.mean_and_bounds("m", "c", one, [0.9, 0.05])
             assert mean[0] == got[0][0]
+            at, (a90, a05) = model.mean_and_bounds_at("m", "c", cap, [0.9, 0.05])
+            assert (at, a90, a05) == (mean[0], b90[0], b05[0])
             assert b90[0] == model.upper_bound("m", "c", one, 0.9)[0]
             assert b05[0] == model.upper_bound("m", "c", one, 0.05)[0]
         several = np.array([float(c) for c in caps])
@@ -246,7 +249,10 @@ def test_place_keeps_an_arrivals_lengths_only_until_a_completion_is_learnt() -> 
 def test_a_model_that_prices_each_request_is_asked_each_time() -> None:
     from qlm.length_forest import ForestLengthModel
 
-    assert not ForestLengthModel().per_group
+    forest = ForestLengthModel()
+    assert not forest.per_group
+    with pytest.raises(TypeError):
+        forest.mean_and_bounds_at("m", "c", 100, [0.9])
 
 
 # ------------------------------------------------------------------ estimates at dispatch
