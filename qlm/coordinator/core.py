@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import heapq
-import math
 import time
 import uuid
 from collections import OrderedDict
@@ -222,10 +221,6 @@ class _QueuedLoad(Mapping[str, float]):
 
 
 CAP_UNKNOWN = 0  # never a cap (a cap is at least 1)
-# the queue key of an arrival sent to a starving engine's empty queue while a plan is being
-# computed: nothing is compared with it (the queue is empty, and only an empty queue takes
-# one), and the plan's adoption re-places what is still queued
-WHILE_PLANNING_KEY: tuple[Any, ...] = (-math.inf,)
 
 
 @dataclass(frozen=True)
@@ -343,8 +338,6 @@ class CoordinatorCore:
         self._load_view = _QueuedLoad([])
         self._queued = QueueTally()  # requests in every instance's virtual queue
         self.unassigned: list[str] = []
-        # sent to a starving engine's queue while a plan was being computed (_place)
-        self._queued_while_planning: list[str] = []
         # Recently answered ids: a redelivery of one of these is acked without a second reply.
         self.answered: OrderedDict[str, None] = OrderedDict()
         self.answered_limit = 200_000
@@ -647,38 +640,10 @@ class CoordinatorCore:
     def _instances_changed(self) -> None:
         self._live_cache = None
 
-    def _starving(self, model: str) -> InstanceState | None:
-        """An alive instance serving ``model`` (already loaded, or nothing loaded) with credit
-        left and an empty virtual queue, the most credit first: where an arrival goes while
-        a plan is being computed. None: it waits for the plan."""
-        best: InstanceState | None = None
-        for inst in self._live():
-            if inst.credit <= 0 or len(inst.queue) or model not in inst.info.models:
-                continue
-            st = inst.last_status
-            if st is not None and st.active_model not in (None, model):
-                continue
-            if best is None or (inst.credit, -len(inst.running)) > (
-                best.credit,
-                -len(best.running),
-            ):
-                best = inst
-        return best
-
     def _place(self, tracked: TrackedRequest, now: float) -> None:
         if self.planning:  # placed by adopt_plan, once the plan is in
             tracked.state = TrackState.QUEUED
             tracked.dispatch_id = None
-            idle = self._starving(tracked.plan_view.model)
-            if idle is not None:
-                # an engine asks for work and has none queued: it need not wait for the plan
-                # (a replan takes up to seconds; the policy is the plan's until then, so
-                # this is not its placement). adopt_plan re-places it if still queued.
-                idle.queue.insert(tracked.request_id, WHILE_PLANNING_KEY)
-                idle.queued_tokens += self.policy.work_tokens(tracked.plan_view)
-                tracked.instance_id = idle.instance_id
-                self._queued_while_planning.append(tracked.request_id)
-                return
             tracked.instance_id = None
             self.unassigned.append(tracked.request_id)
             return
@@ -1241,18 +1206,6 @@ class CoordinatorCore:
         if not self.planning:
             return
         self.planning = False
-        # what went to a starving engine's queue meanwhile and is still there: the policy
-        # places it now (its key was a stand-in)
-        for rid in self._queued_while_planning:
-            tracked = self.requests.get(rid)
-            if tracked is None or tracked.state != TrackState.QUEUED:
-                continue
-            inst = self.instances.get(tracked.instance_id or "")
-            if inst is not None and inst.queue.remove(rid):
-                inst.queued_tokens -= self.policy.work_tokens(tracked.plan_view)
-                tracked.instance_id = None
-                self.unassigned.append(rid)
-        self._queued_while_planning = []
         observed, self._deferred_observations = self._deferred_observations, []
         for obs in observed:
             self.policy.observe_completion(obs)
@@ -1263,7 +1216,6 @@ class CoordinatorCore:
         was computed (dispatched, answered) are skipped; those that arrived meanwhile, and
         those on an instance that is no longer live, are placed again."""
         self.planning = False  # observations are handed over below, once the plan is in
-        self._queued_while_planning = []  # every queue is re-filled below
         waiting: dict[str, TrackedRequest] = {}
         for inst in self.instances.values():
             for rid in inst.queue.clear():

@@ -647,46 +647,6 @@ def test_an_aborted_plan_hands_the_policy_back() -> None:
     assert not core.planning and waiting.instance_id == "a-gpu0"
 
 
-def test_an_arrival_while_a_plan_runs_goes_to_an_engine_asking_for_work() -> None:
-    """A replan takes up to seconds: an arrival meanwhile goes to an engine that has credit
-    and nothing queued, without the policy (the plan's until it is adopted), and is dispatched
-    at once; once no engine asks, arrivals wait for the plan. Each request ends up in one
-    place only, and the plan's adoption places what waited."""
-    policy = _CountingEDF()
-    core = CoordinatorCore(policy, heartbeat_timeout_s=3.0)
-    core.on_heartbeat(heartbeat("a", 2), now=0.0)
-    requests, instances = core.begin_plan()
-    places = policy.places
-    core.on_pull("a-gpu1", 2)
-    first = admit(core)
-    assert first.instance_id == "a-gpu1" and core.queue_depths()["a-gpu1"] == 1
-    [order] = core.next_dispatches(0.1)
-    assert order.tracked is first
-    second = admit(core)
-    assert second.instance_id == "a-gpu1"
-    third = admit(core)  # a-gpu1's queue holds second: not starving; a-gpu0 has no credit
-    assert third.instance_id is None and core.unassigned == [third.request_id]
-    assert policy.places == places  # the policy was not asked
-    plan = policy.plan(requests, instances, 1.0)
-    core.adopt_plan(plan, now=1.0)
-    # second (still queued) and third are placed by the policy now; first ran
-    assert first.state == TrackState.DISPATCHED
-    queued = [rid for q in core.instances.values() for rid in q.queue]
-    assert sorted(queued) == sorted([second.request_id, third.request_id])
-    assert core.unassigned == [] and policy.places == places + 2
-
-
-def test_an_engine_holding_another_model_waits_for_the_plan() -> None:
-    core = CoordinatorCore(_CountingEDF(), heartbeat_timeout_s=3.0)
-    hb = heartbeat("a", 1, models=("mistral-7b", "vicuna-13b"))
-    hb.instances[0].active_model = "vicuna-13b"
-    core.on_heartbeat(hb, now=0.0)
-    core.begin_plan()
-    core.on_pull("a-gpu0", 4)
-    waiting = admit(core)  # a mistral-7b request: going there would cost a model switch
-    assert waiting.instance_id is None and core.unassigned == [waiting.request_id]
-
-
 class _StaleAfterDeadline(EDFPolicy):
     """EDF whose keys go stale once the deadline passed: such a request moves to the back.
     A policy returning a stale key again would loop; the queue asks each request once."""
@@ -721,23 +681,6 @@ def test_a_head_whose_key_went_stale_moves_before_it_is_dispatched() -> None:
         core.on_pull("a-gpu0", 1)
         [order] = core.next_dispatches(6.0)
         assert order.tracked is missed and core.queue_depths() == {"a-gpu0": 0}
-
-
-def test_an_aborted_plan_re_places_what_went_to_an_engine_meanwhile() -> None:
-    """The stand-in key of an arrival sent to a starving engine during a plan never meets a
-    policy's key (these are strings): an aborted plan has the policy place it."""
-    policy = _StaleAfterDeadline()
-    core = CoordinatorCore(policy, heartbeat_timeout_s=3.0)
-    core.on_heartbeat(heartbeat("a", 1), now=0.0)
-    core.begin_plan()
-    core.on_pull("a-gpu0", 1)
-    early = admit(core, e2e_ms=50_000, submitted_at=0.0)
-    assert early.instance_id == "a-gpu0"
-    core.abort_plan(1.0)
-    urgent = admit(core, e2e_ms=2_000, submitted_at=0.0)  # compared with the policy's key
-    assert list(core.instances["a-gpu0"].queue) == [urgent.request_id, early.request_id]
-    [order] = core.next_dispatches(1.0)
-    assert order.tracked is urgent
 
 
 def test_no_stale_key_is_asked_while_a_plan_runs_elsewhere() -> None:
