@@ -855,11 +855,12 @@ class QLMPolicy(QueuePolicy):
         else:
             cap = np.array([max(r.max_tokens, 1)], dtype=np.float64)
             prompt = np.array([r.prompt_tokens], dtype=np.float64)
-            means, bounds = lengths.mean_and_bounds(
-                r.model, r.slo_class, cap, qs, prompt_tokens=prompt
-            )
-            bound = float(bounds[0][0])
-            out = (float(means[0]), bound, min(float(bounds[-1][0]), bound))
+            means, _ = lengths.predict(r.model, r.slo_class, cap, prompt_tokens=prompt)
+            bounds = [
+                float(lengths.upper_bound(r.model, r.slo_class, cap, q, prompt_tokens=prompt)[0])
+                for q in qs
+            ]
+            out = (float(means[0]), bounds[0], min(bounds[-1], bounds[0]))
         if key is not None:
             if len(self._lengths_seen) >= LENGTHS_SEEN_MAX:
                 self._lengths_seen.clear()

@@ -31,10 +31,10 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from functools import lru_cache
-from typing import Literal
+from typing import Literal, TypeVar
 
 import numpy as np
 from scipy.special import ndtri
@@ -213,6 +213,9 @@ def _prior_sample(table: str) -> np.ndarray:
     else:
         raise ValueError(f"unknown output-length prior {table!r}; choose from {PRIOR_TABLES}")
     return np.sort(np.maximum(np.asarray(outs, dtype=np.float64), 1.0))
+
+
+_M = TypeVar("_M", float, np.ndarray)  # one cap's moment, or an array of caps' moments
 
 
 def _exact_sums(largest: float, n: int) -> bool:
@@ -400,24 +403,29 @@ class OutputLengthModel:
         """(mean, variance) of the output tokens of requests of one key, per ``max_tokens``.
         Per-request features are ignored here (see :meth:`observe`)."""
         cap = np.maximum(np.asarray(max_tokens, dtype=np.float64), 1.0)
-        key = (model, slo_class)
+        m1, m2 = self._fit((model, slo_class), lambda s: s.truncated_moments(cap), (cap, cap**2))
+        return m1, np.maximum(m2 - m1**2, 0.0)
+
+    def _fit(
+        self,
+        key: tuple[str, str | None],
+        moments: Callable[[_Sample], tuple[_M, _M]],
+        worst: tuple[_M, _M],
+    ) -> tuple[_M, _M]:
+        """E[min(O, cap)] and E[min(O, cap)²] of a key: the prior's ``moments`` (``worst``,
+        the cap itself, with the "max_tokens" prior) mixed with the history's by weight."""
+        prior = self._prior_sample()
+        p1, p2 = worst if prior is None else moments(prior)
         hist = self._history.get(key)
         n_hist = len(hist) if hist else 0
-        prior = self._prior_sample()
-        if prior is None:  # "max_tokens": the worst case the client allowed
-            p1, p2 = cap, cap**2
-        else:
-            p1, p2 = prior.truncated_moments(cap)
-        if n_hist:
-            sample = self._samples.get(key)
-            if sample is None:
-                sample = self._samples[key] = _Sample(np.asarray(hist))
-            h1, h2 = sample.truncated_moments(cap)
-            w = n_hist / (n_hist + self.prior_weight)
-            m1, m2 = w * h1 + (1 - w) * p1, w * h2 + (1 - w) * p2
-        else:
-            m1, m2 = p1, p2
-        return m1, np.maximum(m2 - m1**2, 0.0)
+        if not n_hist:
+            return p1, p2
+        sample = self._samples.get(key)
+        if sample is None:
+            sample = self._samples[key] = _Sample(np.asarray(hist))
+        h1, h2 = moments(sample)
+        w = n_hist / (n_hist + self.prior_weight)
+        return w * h1 + (1 - w) * p1, w * h2 + (1 - w) * p2
 
     def upper_bound(
         self,
@@ -438,62 +446,20 @@ class OutputLengthModel:
         mean, var = self.predict(model, slo_class, caps)
         return np.clip(mean + normal_quantile(q) * np.sqrt(var), 1.0, caps)
 
-    def mean_and_bounds(
-        self,
-        model: str,
-        slo_class: str | None,
-        max_tokens: np.ndarray,
-        qs: Sequence[float],
-        *,
-        prompt_tokens: np.ndarray | None = None,
-    ) -> tuple[np.ndarray, list[np.ndarray]]:
-        """:meth:`predict`'s mean and :meth:`upper_bound` at each of ``qs``: what the planner
-        asks of every arrival. This per-group fit answers all from one prediction (the same
-        figures as the separate calls); a subclass with its own predictions is asked each."""
-        if not self.per_group:
-            mean, _ = self.predict(model, slo_class, max_tokens, prompt_tokens=prompt_tokens)
-            bounds = [
-                self.upper_bound(model, slo_class, max_tokens, q, prompt_tokens=prompt_tokens)
-                for q in qs
-            ]
-            return mean, bounds
-        for q in qs:
-            if not 0.0 < q < 1.0:
-                raise ValueError(f"q must lie in (0, 1), got {q!r}")
-        caps = np.maximum(np.atleast_1d(np.asarray(max_tokens, dtype=np.float64)), 1.0)
-        mean, var = self.predict(model, slo_class, caps)
-        sd = np.sqrt(var)
-        return mean, [np.clip(mean + normal_quantile(q) * sd, 1.0, caps) for q in qs]
-
     def mean_and_bounds_at(
         self, model: str, slo_class: str | None, max_tokens: int, qs: Sequence[float]
     ) -> tuple[float, list[float]]:
-        """:meth:`mean_and_bounds` of one request of this per-group fit (``per_group``), in
-        Python floats: :meth:`predict`'s operations in its order, so the same figures to the
-        bit."""
+        """One request's :meth:`predict` mean and :meth:`upper_bound` at each of ``qs``, for a
+        per-group fit (``per_group``): what the planner asks of every arrival, from one
+        prediction, in Python floats with :meth:`predict`'s operations in its order, so the
+        same figures to the bit as those calls."""
         if not self.per_group:
             raise TypeError("a model that prices each request needs its features")
         for q in qs:
             if not 0.0 < q < 1.0:
                 raise ValueError(f"q must lie in (0, 1), got {q!r}")
         cap = max(float(max_tokens), 1.0)
-        key = (model, slo_class)
-        hist = self._history.get(key)
-        n_hist = len(hist) if hist else 0
-        prior = self._prior_sample()
-        if prior is None:
-            p1, p2 = cap, cap * cap
-        else:
-            p1, p2 = prior.moments_at(cap)
-        if n_hist:
-            sample = self._samples.get(key)
-            if sample is None:
-                sample = self._samples[key] = _Sample(np.asarray(hist))
-            h1, h2 = sample.moments_at(cap)
-            w = n_hist / (n_hist + self.prior_weight)
-            m1, m2 = w * h1 + (1 - w) * p1, w * h2 + (1 - w) * p2
-        else:
-            m1, m2 = p1, p2
+        m1, m2 = self._fit((model, slo_class), lambda s: s.moments_at(cap), (cap, cap * cap))
         sd = math.sqrt(max(m2 - m1 * m1, 0.0))
         return m1, [min(max(m1 + normal_quantile(q) * sd, 1.0), cap) for q in qs]
 

@@ -204,8 +204,8 @@ def test_one_caps_prediction_between_completions_is_the_rebuilt_samples_to_the_b
 ) -> None:
     """place() prices each arrival at its one cap between completions from running totals of
     the window (whole token counts: exact sums), not rebuilt prefix sums: the same floats as a
-    sample rebuilt from the window, and mean_and_bounds() (and its one-request form in Python
-    floats) as predict() and upper_bound()."""
+    sample rebuilt from the window, and mean_and_bounds_at() (one request, Python floats) as
+    predict() and upper_bound()."""
     model = OutputLengthModel("sharegpt", history_limit=window)
     for k, out in enumerate(outputs):
         model.observe("m", "c", out)
@@ -218,12 +218,10 @@ def test_one_caps_prediction_between_completions_is_the_rebuilt_samples_to_the_b
             one = np.array([float(cap)])
             got, want = model.predict("m", "c", one), fresh.predict("m", "c", one)
             assert got[0][0] == want[0][0] and got[1][0] == want[1][0]
-            mean, (b90, b05) = model.mean_and_bounds("m", "c", one, [0.9, 0.05])
-            assert mean[0] == got[0][0]
             at, (a90, a05) = model.mean_and_bounds_at("m", "c", cap, [0.9, 0.05])
-            assert (at, a90, a05) == (mean[0], b90[0], b05[0])
-            assert b90[0] == model.upper_bound("m", "c", one, 0.9)[0]
-            assert b05[0] == model.upper_bound("m", "c", one, 0.05)[0]
+            assert at == got[0][0]
+            assert a90 == model.upper_bound("m", "c", one, 0.9)[0]
+            assert a05 == model.upper_bound("m", "c", one, 0.05)[0]
         several = np.array([float(c) for c in caps])
         got, want = model.predict("m", "c", several), fresh.predict("m", "c", several)
         assert (got[0] == want[0]).all() and (got[1] == want[1]).all()
@@ -240,10 +238,11 @@ def test_place_keeps_an_arrivals_lengths_only_until_a_completion_is_learnt() -> 
         lengths.observe("m", "c", out)
     learnt = pol._lengths_of(r)
     assert learnt[0] < first[0]  # short answers seen: a new fit
-    mean, (bound, shot) = lengths.mean_and_bounds(
-        "m", "c", np.array([1024.0]), [pol._feasible_q, 0.05]
-    )
-    assert learnt == (float(mean[0]), float(bound[0]), min(float(shot[0]), float(bound[0])))
+    cap = np.array([1024.0])
+    mean, _ = lengths.predict("m", "c", cap)
+    bound = float(lengths.upper_bound("m", "c", cap, pol._feasible_q)[0])
+    shot = float(lengths.upper_bound("m", "c", cap, 0.05)[0])
+    assert learnt == (float(mean[0]), bound, min(shot, bound))
 
 
 def test_a_model_that_prices_each_request_is_asked_each_time() -> None:

@@ -170,14 +170,22 @@ def glance_rows(summaries: Mapping[str, Mapping[str, Any]]) -> list[GlanceRow]:
 BEGIN, END = "<!-- glance:begin -->", "<!-- glance:end -->"
 
 
+def _spliced(text: str, begin: str, end: str, body: str) -> str | None:
+    """``text`` with what lies between its ``begin`` and ``end`` markers replaced by ``body``;
+    None when it has no such block."""
+    if begin not in text or end not in text:
+        return None
+    head, rest = text.split(begin, 1)
+    _, tail = rest.split(end, 1)
+    return f"{head}{begin}\n{body}{end}{tail}"
+
+
 def write_into(page: Path, table: str) -> None:
     """Replace what lies between the page's glance markers with ``table``."""
-    text = page.read_text()
-    if BEGIN not in text or END not in text:
+    text = _spliced(page.read_text(), BEGIN, END, table)
+    if text is None:
         raise ValueError(f"{page} has no {BEGIN} ... {END} block")
-    head, rest = text.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
-    page.write_text(f"{head}{BEGIN}\n{table}{END}{tail}")
+    page.write_text(text)
 
 
 def _fmt(value: float | None) -> str:
@@ -230,12 +238,10 @@ def write_attainment_blocks(page: Path, summaries: Mapping[str, Mapping[str, Any
     written = []
     for name, summary in summaries.items():
         begin, end = f"<!-- attainment:{name}:begin -->", f"<!-- attainment:{name}:end -->"
-        if begin not in text or end not in text:
-            continue
-        head, rest = text.split(begin, 1)
-        _, tail = rest.split(end, 1)
-        text = f"{head}{begin}\n{attainment_markdown(summary)}{end}{tail}"
-        written.append(name)
+        spliced = _spliced(text, begin, end, attainment_markdown(summary))
+        if spliced is not None:
+            text = spliced
+            written.append(name)
     page.write_text(text)
     return written
 
@@ -298,10 +304,8 @@ def speed_markdown(summaries: Mapping[str, Mapping[str, Any]]) -> str:
 
 def write_speed_block(page: Path, summaries: Mapping[str, Mapping[str, Any]]) -> bool:
     """Replace the page's speed block, if it has one."""
-    text = page.read_text()
-    if SPEED_BEGIN not in text or SPEED_END not in text:
+    text = _spliced(page.read_text(), SPEED_BEGIN, SPEED_END, speed_markdown(summaries))
+    if text is None:
         return False
-    head, rest = text.split(SPEED_BEGIN, 1)
-    _, tail = rest.split(SPEED_END, 1)
-    page.write_text(f"{head}{SPEED_BEGIN}\n{speed_markdown(summaries)}{SPEED_END}{tail}")
+    page.write_text(text)
     return True
