@@ -252,15 +252,20 @@ class _Rate:
 
 @dataclass
 class _Tables:
-    """Per request × instance timing of one replan (seconds; s from now for the starts)."""
+    """Per request × instance timing of one replan (seconds; s from now for the starts).
 
-    occ: np.ndarray  # (n, I) occupancy: what it adds to the wait of those behind it (eq. 2)
-    occ_var: np.ndarray  # (n, I) its variance
-    own: np.ndarray  # (n, I) prefill + decode at the length bound, once started (eqs. 1, 4)
-    # (n, I) the same at the mean length: what the plan predicts (RCT), while feasibility and
+    The (n, C) tables hold one column per *lane class*: instances with the same profiles for
+    every model (one GPU shape serving one set of models) have identical columns, so they
+    share one. Instance ``g``'s column is ``col[g]``. A fleet of 32 instances of a few shapes
+    holds a few columns, not 32 (100k requests: 36 MB instead of 180 MB per replan)."""
+
+    occ: np.ndarray  # (n, C) occupancy: what it adds to the wait of those behind it (eq. 2)
+    occ_var: np.ndarray  # (n, C) its variance
+    own: np.ndarray  # (n, C) prefill + decode at the length bound, once started (eqs. 1, 4)
+    # (n, C) the same at the mean length: what the plan predicts (RCT), while feasibility and
     # the order are judged at the bound
     own_mean: np.ndarray
-    lst: np.ndarray  # (n, I) latest start that meets every deadline (-inf: not served there)
+    lst: np.ndarray  # (n, C) latest start that meets every deadline (-inf: not served there)
     switch: np.ndarray  # (I, M) loading each model
     swap: np.ndarray  # (I, M) a new run of each model: the drain before it and the load
     drain: np.ndarray  # (I,) until the running batch has finished (before a model switch)
@@ -271,9 +276,12 @@ class _Tables:
     cost: np.ndarray  # (n,) displacement order: occupancy per unit of value (largest goes)
     has_deadline: np.ndarray  # (n,)
     model_idx: np.ndarray  # (n,)
-    # (I,) instances with the same profiles for every model (same shape): identical columns
-    # above, shared by the walk instead of copied per instance
-    lane_class: np.ndarray
+    col: list[int]  # (I,) each instance's column in the (n, C) tables
+
+    def served(self, k: int) -> list[int]:
+        """The instances that serve request ``k`` (a finite occupancy there), in order."""
+        finite = np.isfinite(self.occ[k])
+        return [g for g, c in enumerate(self.col) if finite[c]]
 
 
 @dataclass
@@ -965,6 +973,8 @@ class QLMPolicy(QueuePolicy):
             probe = self._walk_edf(freed, priced, walkable, best_lst)
             occ = np.where(np.isfinite(tab.occ[walkable]), tab.occ[walkable], np.nan)
             mean_occ = np.nan_to_num(np.nanmean(occ, axis=0), nan=1.0) if walkable.any() else 1.0
+            if walkable.any():
+                mean_occ = mean_occ[tab.col]  # per column, then per instance
             cost = float((tab.evict / np.maximum(mean_occ, 1e-6))[full].sum())
             if probe.met - candidates["edf"].met > cost:
                 evict_wait = np.where(full, tab.first_slot, 0.0)
@@ -1220,42 +1230,53 @@ class QLMPolicy(QueuePolicy):
         now: float,
     ) -> _Tables:
         n, n_inst, M = len(priced.reqs), len(live), len(models)
-        occ = np.full((n, n_inst), np.inf)
-        occ_var = np.zeros((n, n_inst))
-        own = np.full((n, n_inst), np.inf)
-        own_mean = np.full((n, n_inst), np.inf)
-        lst = np.full((n, n_inst), -np.inf)
-        shot_lst = np.full((n, n_inst), -np.inf)  # at the long-shot bound
-        chance = np.zeros((n, n_inst))  # P(output fits the time left if started now)
+        # profiles are cached objects: the same object for the same instance shape and batch,
+        # so instances with the same profiles for every model share one column (_Tables)
+        signature: dict[tuple[int, ...], int] = {}
+        col = [
+            signature.setdefault(
+                tuple(x for m in range(M) for x in (id(hw.get((g, m))), id(lat.get((g, m))))),
+                len(signature),
+            )
+            for g in range(n_inst)
+        ]
+        first_of = {c: col.index(c) for c in range(len(signature))}  # a column's first instance
+        C = len(signature)
+        occ = np.full((n, C), np.inf)
+        occ_var = np.zeros((n, C))
+        own = np.full((n, C), np.inf)
+        own_mean = np.full((n, C), np.inf)
+        lst = np.full((n, C), -np.inf)
+        shot_lst = np.full((n, C), -np.inf)  # at the long-shot bound
+        chance = np.zeros((n, C))  # P(output fits the time left if started now)
         sd = np.sqrt(priced.out_var)
         switch = np.zeros((n_inst, M))
-        # instances of one shape share their profiles (cached objects): each column is
-        # computed once per shape and model, then copied to that shape's instances
-        shapes: dict[tuple[int, int, int], list[int]] = {}
         for (g, m), p in hw.items():
             switch[g, m] = self._switch(live[g], p, models[m])
-            shapes.setdefault((m, id(p), id(lat[(g, m)])), []).append(g)
         rows = {m: np.flatnonzero(priced.model_idx == m) for m in range(M)}
-        for (m, _, _), gs in shapes.items():
-            p, q = hw[(gs[0], m)], lat[(gs[0], m)]
-            sel = rows[m]
-            cells = np.ix_(sel, np.asarray(gs, dtype=np.int64))
-            prompt = priced.prompt[sel]
-            pre = q.prefill_fixed_s + q.prefill_s_per_token * prompt
-            own_k = pre + priced.out_bound[sel] * q.token_time_s
-            occ[cells] = (prompt / p.prefill_tps + priced.out_mean[sel] / p.throughput_tps)[:, None]
-            occ_var[cells] = (priced.out_var[sel] / p.throughput_tps**2)[:, None]
-            own[cells] = own_k[:, None]
-            own_mean[cells] = (pre + priced.out_mean[sel] * q.token_time_s)[:, None]
-            lst[cells] = np.minimum(priced.e2e[sel] - own_k, priced.ttft[sel] - pre)[:, None]
-            shot = pre + priced.out_shot[sel] * q.token_time_s
-            shot_lst[cells] = np.minimum(priced.e2e[sel] - shot, priced.ttft[sel] - pre)[:, None]
-            fits = (priced.e2e[sel] - pre) / max(q.token_time_s, 1e-12)  # tokens, from now
-            with np.errstate(divide="ignore", invalid="ignore"):
-                zs = np.where(sd[sel] > 0, (fits - priced.out_mean[sel]) / sd[sel], np.inf)
-            p_fit = np.where(fits >= priced.out_mean[sel], 1.0, 0.0)
-            p_fit = np.where(np.isfinite(zs), ndtr(zs), p_fit)
-            chance[cells] = np.where(priced.ttft[sel] >= pre, p_fit, 0.0)[:, None]
+        for c, g in first_of.items():
+            for m in range(M):
+                p = hw.get((g, m))
+                if p is None:
+                    continue
+                q = lat[(g, m)]
+                sel = rows[m]
+                prompt = priced.prompt[sel]
+                pre = q.prefill_fixed_s + q.prefill_s_per_token * prompt
+                own_k = pre + priced.out_bound[sel] * q.token_time_s
+                occ[sel, c] = prompt / p.prefill_tps + priced.out_mean[sel] / p.throughput_tps
+                occ_var[sel, c] = priced.out_var[sel] / p.throughput_tps**2
+                own[sel, c] = own_k
+                own_mean[sel, c] = pre + priced.out_mean[sel] * q.token_time_s
+                lst[sel, c] = np.minimum(priced.e2e[sel] - own_k, priced.ttft[sel] - pre)
+                shot = pre + priced.out_shot[sel] * q.token_time_s
+                shot_lst[sel, c] = np.minimum(priced.e2e[sel] - shot, priced.ttft[sel] - pre)
+                fits = (priced.e2e[sel] - pre) / max(q.token_time_s, 1e-12)  # tokens, from now
+                with np.errstate(divide="ignore", invalid="ignore"):
+                    zs = np.where(sd[sel] > 0, (fits - priced.out_mean[sel]) / sd[sel], np.inf)
+                p_fit = np.where(fits >= priced.out_mean[sel], 1.0, 0.0)
+                p_fit = np.where(np.isfinite(zs), ndtr(zs), p_fit)
+                chance[sel, c] = np.where(priced.ttft[sel] >= pre, p_fit, 0.0)
         running = [self._running(inst, g, hw, lat, models, now) for g, inst in enumerate(live)]
         first_slot = np.array([r[0] for r in running])
         drain = np.array([r[1] for r in running])
@@ -1289,27 +1310,13 @@ class QLMPolicy(QueuePolicy):
         best_occ = np.where(np.isfinite(occ), occ, np.inf).min(axis=1) if n_inst else np.ones(n)
         # a request without a deadline is met wherever it waits: it gives way first
         cost = np.where(has_deadline, best_occ / np.maximum(priced.value, 1e-12), np.inf)
-        # profiles are cached objects: the same object for the same instance shape and batch
-        signature: dict[tuple[int, ...], int] = {}
-        lane_class = np.array(
-            [
-                signature.setdefault(
-                    tuple(x for m in range(M) for x in (id(hw.get((g, m))), id(lat.get((g, m))))),
-                    g,
-                )
-                for g in range(n_inst)
-            ],
-            dtype=np.int64,
-        )
         # a new model run waits for the previous one to drain: about a typical request's own
         # time there (then the load)
-        typical = np.zeros(n_inst)
-        by_class: dict[int, float] = {}  # a lane class's instances have the same column
-        for g, c in enumerate(lane_class.tolist()):
-            if c not in by_class:
-                fin = own[:, g][np.isfinite(own[:, g])]
-                by_class[c] = float(np.median(fin)) if len(fin) else 0.0
-            typical[g] = by_class[c]
+        by_col = []
+        for c in range(C):
+            fin = own[:, c][np.isfinite(own[:, c])]
+            by_col.append(float(np.median(fin)) if len(fin) else 0.0)
+        typical = np.array([by_col[c] for c in col], dtype=np.float64)
         swap = switch + typical[:, None]
         return _Tables(
             occ,
@@ -1327,7 +1334,7 @@ class QLMPolicy(QueuePolicy):
             cost,
             has_deadline,
             priced.model_idx,
-            lane_class,
+            col,
         )
 
     # ------------------------------------------------------------------ candidates
@@ -1350,8 +1357,7 @@ class QLMPolicy(QueuePolicy):
             cands = lanes_of.get(m)
             if cands is None:
                 cands = lanes_of[m] = [
-                    (g, w.lanes[g], w.lst[g], w.switch[g][m])
-                    for g in np.flatnonzero(np.isfinite(tab.occ[k])).tolist()
+                    (g, w.lanes[g], w.lst[g], w.switch[g][m]) for g in tab.served(k)
                 ]
             # the lowest (misses, start, index): written out, this runs n × instances times;
             # once a lane where it meets is found, a lane starting no earlier cannot win
@@ -1435,12 +1441,13 @@ class QLMPolicy(QueuePolicy):
         tails: list[list[int]] = [[] for _ in range(n_inst)]
         done: dict[str, float] = {}
         swap: list[list[float]] = tab.swap.tolist()
+        col = tab.col
         eligible: dict[int, list[int]] = {}  # by model: the instances that serve it
         for k in order:
             m = model_of[k]
             ok = eligible.get(m)
             if ok is None:
-                ok = eligible[m] = np.flatnonzero(np.isfinite(tab.occ[k])).tolist()
+                ok = eligible[m] = tab.served(k)
             if not ok:
                 continue
             # the least busy, a model switch priced, lowest index on ties (min() by key)
@@ -1450,8 +1457,8 @@ class QLMPolicy(QueuePolicy):
                 v = end[h] + (0.0 if m in present[h] else swap[h][m])
                 if v < best:
                     g, best = h, v
-            done[reqs[k].request_id] = end[g] + float(tab.own_mean[k, g])
-            end[g] += float(tab.occ[k, g])
+            done[reqs[k].request_id] = end[g] + float(tab.own_mean[k, col[g]])
+            end[g] += float(tab.occ[k, col[g]])
             present[g].add(m)
             tails[g].append(k)
         keys: dict[str, tuple[Any, ...]] = {}
@@ -1459,8 +1466,8 @@ class QLMPolicy(QueuePolicy):
         self._tail_ranks = []
         for g, head in enumerate(heads):
             if head:
-                due = np.maximum.accumulate(tab.lst[head, g] + now).tolist()
-                fin = (timing[g].start + tab.own_mean[head, g]).tolist()
+                due = np.maximum.accumulate(tab.lst[head, col[g]] + now).tolist()
+                fin = (timing[g].start + tab.own_mean[head, col[g]]).tolist()
                 for pos, k in enumerate(head):
                     rid = reqs[k].request_id
                     keys[rid] = (FEASIBLE, due[pos], pos, seq[k])
@@ -1470,7 +1477,7 @@ class QLMPolicy(QueuePolicy):
             last = model_of[head[-1]] if head else int(tab.init_model[g])
             ranks: dict[str, int] = {models[last]: 0} if last >= 0 else {}
             mine: list[tuple[tuple[Any, ...], int]] = []
-            lst_abs = (tab.lst[tails[g], g] + now).tolist() if tails[g] else []
+            lst_abs = (tab.lst[tails[g], col[g]] + now).tolist() if tails[g] else []
             for k, due_abs in zip(tails[g], lst_abs, strict=True):
                 rank = ranks.setdefault(models[model_of[k]], len(ranks))
                 key = (
@@ -1657,7 +1664,7 @@ class QLMPolicy(QueuePolicy):
                 # finished (then loads); one of the running model waits only for the first
                 # free slot, nothing while the batch has room, and is planned that way only
                 # where evicting was found worth its recompute (evict_wait)
-                head_lst = float(tab.lst[q[: p.batch], g].min())
+                head_lst = float(tab.lst[q[: p.batch], tab.col[g]].min())
                 if decision.model_switch and inst.running > 0:
                     ready, wait = float(tab.switch[g, hm]), float(tab.drain[g])
                 else:
@@ -1897,10 +1904,10 @@ class QLMPolicy(QueuePolicy):
             due = np.array(dues, dtype=np.float64)
             toks = tokens_of[kept] if kept else np.zeros(0)
             start = timing.start + self.z * np.sqrt(timing.var)
-            slack = tab.lst[kept, g] - start if kept else np.zeros(0)
+            slack = tab.lst[kept, tab.col[g]] - start if kept else np.zeros(0)
             suffix = np.minimum.accumulate(np.append(slack, np.inf)[::-1])[::-1]
             planned = float(tokens_of[q].sum()) if q else 0.0
-            occ = float(tab.occ[q, g].sum()) if q else 0.0
+            occ = float(tab.occ[q, tab.col[g]].sum()) if q else 0.0
             rate = self._rates.get((iid, models[0])) if models else None
             s_per_token = occ / planned if planned > 0 else (rate.inv_tps if rate else 1e-4)
             typical = tab.swap[g] - tab.switch[g]
@@ -1934,8 +1941,9 @@ def _lane_times(tab: _Tables, g: int, order: list[int]) -> _Timing:
     if not order:
         return _Timing(np.zeros(0), np.zeros(0), 0, 0.0)
     idx = np.asarray(order)
-    mi, occ, own = tab.model_idx[idx], tab.occ[idx, g], tab.own[idx, g]
-    cum_var = np.cumsum(tab.occ_var[idx, g])
+    c = tab.col[g]
+    mi, occ, own = tab.model_idx[idx], tab.occ[idx, c], tab.own[idx, c]
+    cum_var = np.cumsum(tab.occ_var[idx, c])
     var = np.concatenate(([0.0], cum_var[:-1]))
     start = np.empty(len(idx))
     cuts = np.flatnonzero(mi[1:] != mi[:-1]) + 1
@@ -1968,12 +1976,12 @@ class _Walker:
         self.tab = tab
         self.z = z
         self.demote = demote
-        n_inst = tab.occ.shape[1]
+        n_inst = len(tab.col)
         self.model: list[int] = priced.model_idx.tolist()
         columns: dict[int, tuple[list[float], ...]] = {}
-        for c in dict.fromkeys(tab.lane_class.tolist()):
+        for c in dict.fromkeys(tab.col):
             columns[c] = tuple(a[:, c].tolist() for a in (tab.occ, tab.occ_var, tab.own, tab.lst))
-        per_lane = [columns[int(c)] for c in tab.lane_class]
+        per_lane = [columns[c] for c in tab.col]
         self.occ = [col[0] for col in per_lane]
         self.var = [col[1] for col in per_lane]
         self.own = [col[2] for col in per_lane]
@@ -2088,7 +2096,7 @@ def _lane_met(tab: _Tables, g: int, order: list[int], z: float) -> tuple[_Timing
     if not order:
         return timing, np.zeros(0, dtype=bool)
     idx = np.asarray(order)
-    meets = timing.start + z * np.sqrt(timing.var) <= tab.lst[idx, g]
+    meets = timing.start + z * np.sqrt(timing.var) <= tab.lst[idx, tab.col[g]]
     return timing, ~tab.has_deadline[idx] | (~tab.prio[idx] & meets)
 
 
@@ -2191,14 +2199,15 @@ def _consolidate(
                         continue
                     there = [(c, e) for mm, c, e in runs_of(other.kept) if mm == m]
                     # served there (the walks' eligibility: a finite occupancy)
-                    if not there or not np.isfinite(tab.occ[np.asarray(run), h]).all():
+                    if not there or not np.isfinite(tab.occ[np.asarray(run), tab.col[h]]).all():
                         continue
                     c, e = there[0]
                     tries += 1
                     work += len(lane.kept) + len(other.kept) + len(lane.later) + len(other.later)
                     g_order = lane.kept[:a] + lane.kept[b:]
                     # into its first run of the model there, in latest-start order
-                    joined = sorted(other.kept[c:e] + run, key=lambda k: tab.lst[k, h])
+                    h_col = tab.col[h]
+                    joined = sorted(other.kept[c:e] + run, key=lambda k: tab.lst[k, h_col])
                     h_order = other.kept[:c] + joined + other.kept[e:]
                     tg, okg = _lane_met(tab, g, g_order + lane.later, z)
                     th, okh = _lane_met(tab, h, h_order + other.later, z)
