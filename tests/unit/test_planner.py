@@ -3,6 +3,7 @@ primal-status pitfall, the exact comparison on small cases, infeasibility and sc
 
 from __future__ import annotations
 
+import math
 import time
 from types import SimpleNamespace
 
@@ -22,6 +23,8 @@ from qlm.planner.milp import (
     _queue_score,
     evaluate_queues,
     greedy_assign,
+    iterated_local_search,
+    local_search,
     solve_exact,
     solve_slots,
 )
@@ -293,6 +296,30 @@ def test_within_two_percent_of_the_exact_milp_on_small_cases() -> None:
         got = evaluate_queues(p, ours).met_weight
         assert got >= 0.98 * best, (seed, got, best)
         assert got >= evaluate_queues(p, greedy_assign(p)).met_weight
+
+
+def test_iterated_local_search_stops_once_rounds_stop_improving(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The perturbation rounds stop after ``stall_rounds`` in a row found nothing better,
+    well before the round limit, and the plan is the one the full run of rounds keeps when
+    the later rounds find nothing either."""
+    import qlm.planner.milp as milp
+
+    descents: list[int] = []
+
+    def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
+        descents.append(1)
+        return local_search(*args, **kwargs)
+
+    monkeypatch.setattr(milp, "local_search", counted)
+    p = random_problem(6, 2, seed=1)
+    start = greedy_assign(p)
+    unlimited = iterated_local_search(p, start, deadline_s=math.inf, rounds=40, stall_rounds=40)
+    assert len(descents) == 41  # the first descent, then every round
+    descents.clear()
+    stopped = iterated_local_search(p, start, deadline_s=math.inf, rounds=40, stall_rounds=5)
+    assert len(descents) < 41
+    assert evaluate_queues(p, stopped).score <= evaluate_queues(p, unlimited).score + 1e-9
+    assert evaluate_queues(p, stopped).score >= evaluate_queues(p, start).score - 1e-9
 
 
 def test_head_milp_never_worsens_a_queue() -> None:
