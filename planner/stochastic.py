@@ -972,9 +972,10 @@ class QLMPolicy(QueuePolicy):
             freed = dataclasses.replace(tab, first_slot=np.zeros(len(live)))
             probe = self._walk_edf(freed, priced, walkable, best_lst)
             occ = np.where(np.isfinite(tab.occ[walkable]), tab.occ[walkable], np.nan)
-            mean_occ = np.nan_to_num(np.nanmean(occ, axis=0), nan=1.0) if walkable.any() else 1.0
-            if walkable.any():
-                mean_occ = mean_occ[tab.col]  # per column, then per instance
+            # per column, then per instance
+            mean_occ: np.ndarray | float = (
+                np.nan_to_num(np.nanmean(occ, axis=0), nan=1.0)[tab.col] if walkable.any() else 1.0
+            )
             cost = float((tab.evict / np.maximum(mean_occ, 1e-6))[full].sum())
             if probe.met - candidates["edf"].met > cost:
                 evict_wait = np.where(full, tab.first_slot, 0.0)
@@ -1256,10 +1257,9 @@ class QLMPolicy(QueuePolicy):
         rows = {m: np.flatnonzero(priced.model_idx == m) for m in range(M)}
         for c, g in first_of.items():
             for m in range(M):
-                p = hw.get((g, m))
-                if p is None:
+                if (g, m) not in hw:
                     continue
-                q = lat[(g, m)]
+                p, q = hw[(g, m)], lat[(g, m)]
                 sel = rows[m]
                 prompt = priced.prompt[sel]
                 pre = q.prefill_fixed_s + q.prefill_s_per_token * prompt
