@@ -235,16 +235,30 @@ class WorkClock:
         return self.now
 
 
-def _insertion_scores(p: GroupProblem, g: int, target: Sequence[int], i: int) -> np.ndarray:
-    """``_queue_score(p, g, target[:k] + [i] + target[k:])`` for every ``k`` in 0..len(target),
-    in one vectorised pass: the groups before ``k`` keep their completions; the ones from ``k``
-    on shift by the same amount, ``i``'s own switch and occupancy plus the change of the switch
-    into the group at ``k`` (its predecessor's model is now ``i``'s)."""
+@dataclass(frozen=True)
+class _QueueTerms:
+    """What :func:`_insertion_scores` needs of one queue whatever group goes in: the same for
+    every group tried there, so a sweep of the local search computes it once per queue."""
+
+    n: int
+    models: np.ndarray  # (n,) each group's model
+    prev: np.ndarray  # (n + 1,) the model before each position (init_model before the first)
+    sw_ev: np.ndarray  # (n,) a switch into each group
+    sw_cost: np.ndarray  # (n,) its cost
+    start: np.ndarray  # (n + 1,) when each position starts
+    done: np.ndarray  # (n,) each group's completion
+    dl: np.ndarray  # (n,) deadlines
+    w: np.ndarray  # (n,) weights
+    pre_met: np.ndarray  # (n + 1,) met weight of the groups before each position
+    pre_late: np.ndarray  # (n + 1,) their tardiness
+    after: np.ndarray  # (n + 1, n) group j is at or after position k
+    events: int  # switch events of the queue as it is
+
+
+def _queue_terms(p: GroupProblem, g: int, target: Sequence[int]) -> _QueueTerms:
     n = len(target)
     idx = np.asarray(target, dtype=np.int64)
-    mi = int(p.model[i])
     models = p.model[idx].astype(np.int64)
-    # the model before each position of the original queue (init_model before the first)
     prev = np.concatenate(([int(p.init_model[g])], models)) if n else np.array([p.init_model[g]])
     switch_g = p.switch[g]
     # switch events and costs of the original queue, into each of its groups
@@ -254,36 +268,65 @@ def _insertion_scores(p: GroupProblem, g: int, target: Sequence[int], i: int) ->
     start = p.base[g] + np.concatenate(([0.0], np.cumsum(sw_cost + dur)))  # (n+1,) before each
     done = start[:n] + sw_cost + own
     dl, w = p.deadline[idx], p.weight[idx]
-    # i at each position: its switch from the model before, then the change of the next switch
-    i_ev = (prev != -1) & (prev != mi)  # (n+1,)
-    i_sw = np.where(i_ev, switch_g[mi], 0.0)
-    nxt_cost = np.zeros(n + 1)
-    if n:
-        nxt_cost[:n] = np.where(models != mi, switch_g[models], 0.0) - sw_cost
-    shift = i_sw + p.dur[i, g] + nxt_cost  # (n+1,) what every group from the position moves
-    c_i = start + i_sw + p.own[i, g]  # (n+1,) i's own completion at each position
-    # met weight and tardiness of the unchanged prefix, then of the shifted suffix
     met0 = np.where(done <= dl, w, 0.0)
     late0 = np.maximum(done - dl, 0.0)
     late0 = np.where(np.isfinite(late0), late0, 0.0)
     pre_met = np.concatenate(([0.0], np.cumsum(met0)))
     pre_late = np.concatenate(([0.0], np.cumsum(late0)))
-    shifted = done[None, :] + shift[:, None]  # (n+1, n)
     after = np.arange(n)[None, :] >= np.arange(n + 1)[:, None]
-    suf_met = np.where(after & (shifted <= dl[None, :]), w[None, :], 0.0).sum(axis=1)
-    late = np.maximum(shifted - dl[None, :], 0.0)
-    suf_late = np.where(after & np.isfinite(late), late, 0.0).sum(axis=1)
+    return _QueueTerms(
+        n,
+        models,
+        prev,
+        sw_ev,
+        sw_cost,
+        start,
+        done,
+        dl,
+        w,
+        pre_met,
+        pre_late,
+        after,
+        int(sw_ev.sum()),
+    )
+
+
+def _insertion_scores(
+    p: GroupProblem, g: int, target: Sequence[int], i: int, terms: _QueueTerms | None = None
+) -> np.ndarray:
+    """``_queue_score(p, g, target[:k] + [i] + target[k:])`` for every ``k`` in 0..len(target),
+    in one vectorised pass: the groups before ``k`` keep their completions; the ones from ``k``
+    on shift by the same amount, ``i``'s own switch and occupancy plus the change of the switch
+    into the group at ``k`` (its predecessor's model is now ``i``'s). ``terms``: the queue's
+    part, :func:`_queue_terms` of ``target``, when the caller has it already."""
+    q = _queue_terms(p, g, target) if terms is None else terms
+    n, models, prev = q.n, q.models, q.prev
+    mi = int(p.model[i])
+    switch_g = p.switch[g]
+    # i at each position: its switch from the model before, then the change of the next switch
+    i_ev = (prev != -1) & (prev != mi)  # (n+1,)
+    i_sw = np.where(i_ev, switch_g[mi], 0.0)
+    nxt_cost = np.zeros(n + 1)
+    if n:
+        nxt_cost[:n] = np.where(models != mi, switch_g[models], 0.0) - q.sw_cost
+    shift = i_sw + p.dur[i, g] + nxt_cost  # (n+1,) what every group from the position moves
+    c_i = q.start + i_sw + p.own[i, g]  # (n+1,) i's own completion at each position
+    # met weight and tardiness of the unchanged prefix, then of the shifted suffix
+    shifted = q.done[None, :] + shift[:, None]  # (n+1, n)
+    suf_met = np.where(q.after & (shifted <= q.dl[None, :]), q.w[None, :], 0.0).sum(axis=1)
+    late = np.maximum(shifted - q.dl[None, :], 0.0)
+    suf_late = np.where(q.after & np.isfinite(late), late, 0.0).sum(axis=1)
     di = float(p.deadline[i])
     met_i = np.where(c_i <= di, float(p.weight[i]), 0.0)
     late_i = np.maximum(c_i - di, 0.0)
     late_i = np.where(np.isfinite(late_i), late_i, 0.0)
     # switch events: the original ones, less the one into the group at the position (replaced
     # by the one from i into it), plus i's own
-    events = int(sw_ev.sum()) + i_ev.astype(np.int64)
+    events = q.events + i_ev.astype(np.int64)
     if n:
-        events[:n] += (models != mi).astype(np.int64) - sw_ev.astype(np.int64)
-    met = pre_met + suf_met + met_i
-    tard = pre_late + suf_late + late_i
+        events[:n] += (models != mi).astype(np.int64) - q.sw_ev.astype(np.int64)
+    met = q.pre_met + suf_met + met_i
+    tard = q.pre_late + suf_late + late_i
     return met - TARDINESS_WEIGHT * tard - SWITCH_WEIGHT * events
 
 
@@ -311,6 +354,9 @@ def local_search(
     while improved and not out_of_time and clock() < deadline_s:
         improved = False
         best: tuple[float, int, int, int, int] | None = None
+        # every queue's own terms, for the groups tried into it from another queue: the
+        # queues change only between sweeps (one move per sweep)
+        terms: dict[int, _QueueTerms] = {}
         for src, q in enumerate(queues):
             for pos, i in enumerate(q):
                 rest = q[:pos] + q[pos + 1 :]
@@ -320,12 +366,15 @@ def local_search(
                         out_of_time = True
                         break
                     dst = int(dst_np)
-                    target = rest if dst == src else queues[dst]
                     if dst == src:
                         old, kept = scores[src], 0.0
+                        gains = _insertion_scores(p, dst, rest, i) + kept - old
                     else:
                         old, kept = scores[src] + scores[dst], s_src
-                    gains = _insertion_scores(p, dst, target, i) + kept - old
+                        there = terms.get(dst)
+                        if there is None:
+                            there = terms[dst] = _queue_terms(p, dst, queues[dst])
+                        gains = _insertion_scores(p, dst, queues[dst], i, there) + kept - old
                     if dst == src:
                         gains[pos] = -np.inf  # back where it was: no move
                     ins = int(np.argmax(gains))

@@ -21,6 +21,7 @@ from qlm.planner.milp import (
     _insertion_scores,
     _primal_status,
     _queue_score,
+    _queue_terms,
     evaluate_queues,
     greedy_assign,
     iterated_local_search,
@@ -360,6 +361,13 @@ def test_insertion_scores_equal_scoring_each_insertion(data: st.DataObject) -> N
     fast = _insertion_scores(p, 0, target, i)
     slow = [_queue_score(p, 0, target[:k] + [i] + target[k:]) for k in range(len(target) + 1)]
     np.testing.assert_allclose(fast, slow, rtol=1e-9, atol=1e-9)
+    # the queue's own terms computed once (as a sweep of the local search does) and reused
+    # for another group give that group's scores to the bit
+    terms = _queue_terms(p, 0, target)
+    for j in order[len(target) + 1 :]:
+        np.testing.assert_array_equal(
+            _insertion_scores(p, 0, target, j, terms), _insertion_scores(p, 0, target, j)
+        )
 
 
 def test_a_backlog_larger_than_the_memory_bound_is_not_taken_for_running_work(
