@@ -217,7 +217,8 @@ def _queue_score(p: GroupProblem, g: int, order: Sequence[int]) -> float:
 # stops, before its round limit or budget. On the simulator's scenarios (seed 0, ten of them)
 # every improvement came within 18 stalled rounds of the one before, while the rounds after
 # that took most of the planner's time on small problems: a replan of 50 requests ran 40
-# rounds (~100 ms) to keep the plan it had found in the first few (docs/planner.md, section 5).
+# rounds (a median of 65 ms) to keep the plan it had found in the first few
+# (docs/planner.md, section 5).
 ILS_STALL_ROUNDS = 20
 
 
