@@ -301,34 +301,69 @@ def _insertion_scores(
     into the group at ``k`` (its predecessor's model is now ``i``'s). ``terms``: the queue's
     part, :func:`_queue_terms` of ``target``, when the caller has it already."""
     q = _queue_terms(p, g, target) if terms is None else terms
+    return _insertion_scores_many(p, g, q, np.array([i], dtype=np.int64))[0]
+
+
+# Groups scored together against one queue by :func:`_insertion_scores_many`: at most this
+# many (group, position, queued group) cells at once (8 MB per temporary)
+MANY_CELLS = 1 << 20
+
+
+def _insertion_scores_many(
+    p: GroupProblem, g: int, q: _QueueTerms, groups: np.ndarray
+) -> np.ndarray:
+    """:func:`_insertion_scores` of each of ``groups`` into the queue whose terms are ``q``,
+    one row per group, in one pass over them (groups on the leading axis, in chunks of at most
+    MANY_CELLS cells)."""
     n, models, prev = q.n, q.models, q.prev
-    mi = int(p.model[i])
+    out = np.empty((len(groups), n + 1))
+    step = max(1, MANY_CELLS // ((n + 1) * max(n, 1)))
     switch_g = p.switch[g]
-    # i at each position: its switch from the model before, then the change of the next switch
-    i_ev = (prev != -1) & (prev != mi)  # (n+1,)
-    i_sw = np.where(i_ev, switch_g[mi], 0.0)
-    nxt_cost = np.zeros(n + 1)
-    if n:
-        nxt_cost[:n] = np.where(models != mi, switch_g[models], 0.0) - q.sw_cost
-    shift = i_sw + p.dur[i, g] + nxt_cost  # (n+1,) what every group from the position moves
-    c_i = q.start + i_sw + p.own[i, g]  # (n+1,) i's own completion at each position
-    # met weight and tardiness of the unchanged prefix, then of the shifted suffix
-    shifted = q.done[None, :] + shift[:, None]  # (n+1, n)
-    suf_met = np.where(q.after & (shifted <= q.dl[None, :]), q.w[None, :], 0.0).sum(axis=1)
-    late = np.maximum(shifted - q.dl[None, :], 0.0)
-    suf_late = np.where(q.after & np.isfinite(late), late, 0.0).sum(axis=1)
-    di = float(p.deadline[i])
-    met_i = np.where(c_i <= di, float(p.weight[i]), 0.0)
-    late_i = np.maximum(c_i - di, 0.0)
-    late_i = np.where(np.isfinite(late_i), late_i, 0.0)
-    # switch events: the original ones, less the one into the group at the position (replaced
-    # by the one from i into it), plus i's own
-    events = q.events + i_ev.astype(np.int64)
-    if n:
-        events[:n] += (models != mi).astype(np.int64) - q.sw_ev.astype(np.int64)
-    met = q.pre_met + suf_met + met_i
-    tard = q.pre_late + suf_late + late_i
-    return met - TARDINESS_WEIGHT * tard - SWITCH_WEIGHT * events
+    sw_models = switch_g[models]
+    for a in range(0, len(groups), step):
+        ii = groups[a : a + step]
+        mi = p.model[ii].astype(np.int64)[:, None]  # (B, 1)
+        # i at each position: its switch from the model before, then the change of the next
+        # switch (its predecessor's model is now i's)
+        i_ev = (prev != -1)[None, :] & (prev[None, :] != mi)  # (B, n+1)
+        i_sw = np.where(i_ev, switch_g[mi], 0.0)
+        nxt_cost = np.zeros((len(ii), n + 1))
+        other = models[None, :] != mi  # (B, n)
+        if n:
+            nxt_cost[:, :n] = np.where(other, sw_models[None, :], 0.0) - q.sw_cost[None, :]
+        # what every group from the position on moves, and i's own completion there
+        shift = i_sw + p.dur[ii, g][:, None] + nxt_cost
+        c_i = q.start[None, :] + i_sw + p.own[ii, g][:, None]
+        # met weight and tardiness of the unchanged prefix (q), then of the shifted suffix
+        shifted = q.done[None, None, :] + shift[:, :, None]  # (B, n+1, n)
+        suf_met = np.where(q.after & (shifted <= q.dl), q.w, 0.0).sum(axis=2)
+        late = np.maximum(shifted - q.dl, 0.0)
+        suf_late = np.where(q.after & np.isfinite(late), late, 0.0).sum(axis=2)
+        di = p.deadline[ii][:, None]
+        met_i = np.where(c_i <= di, p.weight[ii].astype(np.float64)[:, None], 0.0)
+        late_i = np.maximum(c_i - di, 0.0)
+        late_i = np.where(np.isfinite(late_i), late_i, 0.0)
+        # switch events: the queue's, less the one into the group at the position (replaced
+        # by the one from i into it), plus i's own
+        events = q.events + i_ev.astype(np.int64)
+        if n:
+            events[:, :n] += other.astype(np.int64) - q.sw_ev.astype(np.int64)[None, :]
+        met = q.pre_met + suf_met + met_i
+        tard = q.pre_late + suf_late + late_i
+        out[a : a + step] = met - TARDINESS_WEIGHT * tard - SWITCH_WEIGHT * events
+    return out
+
+
+def _into_queue(
+    p: GroupProblem, g: int, queues: list[list[int]]
+) -> tuple[dict[int, int], np.ndarray]:
+    """Every group of the other queues that ``g`` serves, scored at every position of ``g``'s
+    queue: (the row of each group, the scores)."""
+    groups = [i for h, q in enumerate(queues) if h != g for i in q if p.eligible[i, g]]
+    table = _insertion_scores_many(
+        p, g, _queue_terms(p, g, queues[g]), np.asarray(groups, dtype=np.int64)
+    )
+    return {i: r for r, i in enumerate(groups)}, table
 
 
 def local_search(
@@ -355,9 +390,10 @@ def local_search(
     while improved and not out_of_time and clock() < deadline_s:
         improved = False
         best: tuple[float, int, int, int, int] | None = None
-        # every queue's own terms, for the groups tried into it from another queue: the
-        # queues change only between sweeps (one move per sweep)
-        terms: dict[int, _QueueTerms] = {}
+        # the scores of every group tried into a queue from another one, computed together
+        # when the sweep first needs that queue: the queues change only between sweeps (one
+        # move per sweep), and the clock is still read once per (group, destination)
+        into: dict[int, tuple[dict[int, int], np.ndarray]] = {}
         for src, q in enumerate(queues):
             for pos, i in enumerate(q):
                 rest = q[:pos] + q[pos + 1 :]
@@ -372,10 +408,11 @@ def local_search(
                         gains = _insertion_scores(p, dst, rest, i) + kept - old
                     else:
                         old, kept = scores[src] + scores[dst], s_src
-                        there = terms.get(dst)
+                        there = into.get(dst)
                         if there is None:
-                            there = terms[dst] = _queue_terms(p, dst, queues[dst])
-                        gains = _insertion_scores(p, dst, queues[dst], i, there) + kept - old
+                            there = into[dst] = _into_queue(p, dst, queues)
+                        row, table = there
+                        gains = table[row[i]] + kept - old
                     if dst == src:
                         gains[pos] = -np.inf  # back where it was: no move
                     ins = int(np.argmax(gains))

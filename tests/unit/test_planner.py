@@ -19,6 +19,7 @@ from qlm.planner.milp import (
     GroupProblem,
     _decode,
     _insertion_scores,
+    _insertion_scores_many,
     _primal_status,
     _queue_score,
     _queue_terms,
@@ -362,12 +363,30 @@ def test_insertion_scores_equal_scoring_each_insertion(data: st.DataObject) -> N
     slow = [_queue_score(p, 0, target[:k] + [i] + target[k:]) for k in range(len(target) + 1)]
     np.testing.assert_allclose(fast, slow, rtol=1e-9, atol=1e-9)
     # the queue's own terms computed once (as a sweep of the local search does) and reused
-    # for another group give that group's scores to the bit
+    # for other groups, and those groups scored together, give each one's scores to the bit
     terms = _queue_terms(p, 0, target)
-    for j in order[len(target) + 1 :]:
+    others = [i, *order[len(target) + 1 :]]
+    many = _insertion_scores_many(p, 0, terms, np.asarray(others, dtype=np.int64))
+    for row, j in enumerate(others):
+        np.testing.assert_array_equal(many[row], _insertion_scores(p, 0, target, j))
         np.testing.assert_array_equal(
             _insertion_scores(p, 0, target, j, terms), _insertion_scores(p, 0, target, j)
         )
+
+
+def test_groups_scored_together_in_chunks_score_as_alone(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A long queue's groups are scored in chunks (a memory bound); every chunking gives each
+    group's own scores to the bit."""
+    import qlm.planner.milp as milp
+
+    p = random_problem(30, 2, seed=5)
+    queues = greedy_assign(p)
+    target, groups = queues[0], np.asarray(queues[1], dtype=np.int64)
+    alone = np.array([_insertion_scores(p, 0, target, int(i)) for i in groups])
+    for cells in (1, 7 * len(target), 1 << 20):
+        monkeypatch.setattr(milp, "MANY_CELLS", cells)
+        many = _insertion_scores_many(p, 0, _queue_terms(p, 0, target), groups)
+        np.testing.assert_array_equal(many, alone)
 
 
 def test_a_backlog_larger_than_the_memory_bound_is_not_taken_for_running_work(
