@@ -292,16 +292,14 @@ def _queue_terms(p: GroupProblem, g: int, target: Sequence[int]) -> _QueueTerms:
     )
 
 
-def _insertion_scores(
-    p: GroupProblem, g: int, target: Sequence[int], i: int, terms: _QueueTerms | None = None
-) -> np.ndarray:
+def _insertion_scores(p: GroupProblem, g: int, target: Sequence[int], i: int) -> np.ndarray:
     """``_queue_score(p, g, target[:k] + [i] + target[k:])`` for every ``k`` in 0..len(target),
     in one vectorised pass: the groups before ``k`` keep their completions; the ones from ``k``
     on shift by the same amount, ``i``'s own switch and occupancy plus the change of the switch
-    into the group at ``k`` (its predecessor's model is now ``i``'s). ``terms``: the queue's
-    part, :func:`_queue_terms` of ``target``, when the caller has it already."""
-    q = _queue_terms(p, g, target) if terms is None else terms
-    return _insertion_scores_many(p, g, q, np.array([i], dtype=np.int64))[0]
+    into the group at ``k`` (its predecessor's model is now ``i``'s): the one-group case of
+    :func:`_insertion_scores_many`."""
+    terms = _queue_terms(p, g, target)
+    return _insertion_scores_many(p, g, terms, np.array([i], dtype=np.int64))[0]
 
 
 # Groups scored together against one queue by :func:`_insertion_scores_many`: at most this
