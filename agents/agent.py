@@ -28,7 +28,7 @@ from tenacity import (
     wait_exponential,
 )
 
-from qlm.admission import PullAdmission, SLOAdmissionGate, required_speed
+from qlm.admission import OutputBudget, PullAdmission, SLOAdmissionGate, required_speed
 from qlm.agents.engine import (
     EngineBackend,
     EngineOutput,
@@ -104,15 +104,19 @@ class Agent:
         pull_interval_s: float = 0.02,
         admission_gate: SLOAdmissionGate | None = None,
         cpu_memory_gb: float | None = None,
+        output_budget: OutputBudget | None = None,
     ) -> None:
         """``admission_gate``: SABER's SLO-aware admission in front of each engine (None: a
-        dispatched request goes to the engine at once; the engine's own limits apply)."""
+        dispatched request goes to the engine at once; the engine's own limits apply).
+        ``output_budget``: the tokens the gate takes a request to need (default: its
+        ``max_tokens``)."""
         self.amqp_url = amqp_url
         self.agent_id = agent_id or f"agent-{uuid.uuid4().hex[:8]}"
         self.incarnation = uuid.uuid4().hex  # this process (see Heartbeat.incarnation)
         self.heartbeat_interval_s = heartbeat_interval_s
         self.pull_interval_s = pull_interval_s
         self.instances: dict[str, HostedInstance] = {}
+        need = _Need(output_budget or OutputBudget())
         for i, engine in enumerate(engines):
             iid = f"{self.agent_id}-gpu{i}"
             info = InstanceInfo(
@@ -126,7 +130,7 @@ class Agent:
                 max_batch_size=engine.max_batch_size,
                 cpu_memory_gb=cpu_memory_gb,
             )
-            admission = PullAdmission(admission_gate, need=_need, key=_request_id)
+            admission = PullAdmission(admission_gate, need=need, key=_request_id)
             self.instances[iid] = HostedInstance(info=info, engine=engine, admission=admission)
         self.log = log.bind(agent_id=self.agent_id)
         self._conn: AbstractRobustConnection | None = None
@@ -349,6 +353,7 @@ class Agent:
             priority=req.priority,
             resume_token_ids=list(d.resume_token_ids),
             deadline=d.deadline,
+            slo_class=req.slo.slo_class,
             stream=req.stream and bool(d.reply_routes),
         )
         inst.admission.on_dispatch(request, inst.engine.submit)
@@ -543,10 +548,17 @@ class Agent:
         await self._publish(hb.model_dump_json(), live=True)
 
 
-def _need(request: EngineRequest, now: float) -> float:
-    """SABER's reqSpd: tokens still to generate over the time left to the deadline."""
-    remaining = request.max_tokens - len(request.resume_token_ids)
-    return required_speed(remaining, request.deadline, now)
+@dataclass(frozen=True)
+class _Need:
+    """SABER's reqSpd: tokens still to generate (``budget``'s reading) over the time left to
+    the deadline."""
+
+    budget: OutputBudget
+
+    def __call__(self, request: EngineRequest, now: float) -> float:
+        generated = len(request.resume_token_ids)
+        left = self.budget.tokens_left(request.max_tokens - generated, generated, request.slo_class)
+        return required_speed(left, request.deadline, now)
 
 
 def _request_id(request: EngineRequest) -> str:

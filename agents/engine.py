@@ -34,6 +34,7 @@ class EngineRequest:
     # output equals an uninterrupted run's (greedy sampling).
     resume_token_ids: list[int] = field(default_factory=list)
     deadline: float | None = None  # unix s by which the request should finish (None: none)
+    slo_class: str | None = None  # its SLO class (SABER's task type: OutputBudget)
     # the producer reads the output as it is generated: a streaming backend reports this
     # request's TokenDeltas (others' it may skip, as nobody reads them)
     stream: bool = False

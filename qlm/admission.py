@@ -26,7 +26,7 @@ import heapq
 import math
 import random
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
@@ -44,6 +44,45 @@ def required_speed(remaining_tokens: int, deadline: float | None, now: float) ->
     if deadline <= now:
         return math.inf
     return remaining_tokens / (deadline - now)
+
+
+@dataclass(frozen=True)
+class OutputBudget:
+    """SABER's ``maxTokens``: how many tokens a request is taken to generate. SABER's paper
+    allows the request's ``max_tokens`` or "an estimate of the average output length per task
+    type". With the caps clients send (``max_tokens`` far above most answers) the first marks
+    most short-deadline requests hopeless on arrival (docs/benchmarks.md, ``saber``), so a
+    deployment profiles each task's mean output and gives it here. ``expected``: SLO class ->
+    mean output tokens; a class not in it (or no class) is taken at its ``max_tokens``."""
+
+    expected: Mapping[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        bad = {k: v for k, v in self.expected.items() if not (math.isfinite(v) and v > 0)}
+        if bad:
+            raise ValueError(f"expected output tokens must be finite and > 0: {bad}")
+
+    def tokens_left(self, max_tokens_left: int, generated: int, slo_class: str | None) -> int:
+        """Tokens still to generate: at most what the cap leaves; past its task's mean a
+        request is taken to need one more token (its speed was frozen at admission)."""
+        expected = None if slo_class is None else self.expected.get(slo_class)
+        if expected is None:
+            return max_tokens_left
+        return max(1, min(max_tokens_left, math.ceil(expected) - generated))
+
+    @classmethod
+    def parse(cls, text: str) -> OutputBudget:
+        """``CLASS=TOKENS,...`` (the agent's ``--saber-expected-tokens``)."""
+        expected: dict[str, float] = {}
+        for item in filter(None, (part.strip() for part in text.split(","))):
+            name, sep, value = item.partition("=")
+            if not sep or not name.strip():
+                raise ValueError(f"{item!r}: expected CLASS=TOKENS")
+            try:
+                expected[name.strip()] = float(value)
+            except ValueError:
+                raise ValueError(f"{item!r}: {value!r} is not a number") from None
+        return cls(expected)
 
 
 @dataclass(frozen=True)

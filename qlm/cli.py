@@ -323,6 +323,13 @@ def agent(
         str | None,
         typer.Option(help="saber: the speed model f(L) as LAM,SIGMA,KAPPA (from qlm profile)"),
     ] = None,
+    saber_expected_tokens: Annotated[
+        str | None,
+        typer.Option(
+            help="saber: each SLO class's mean output tokens, e.g. qna=24,generation=208 (the "
+            "gate's maxTokens; other classes: the request's max_tokens)"
+        ),
+    ] = None,
     cpu_memory_gb: Annotated[
         float | None, typer.Option(help="host memory for warm models and swapped KV")
     ] = None,
@@ -349,6 +356,8 @@ def agent(
     """Run an agent that hosts one engine instance per GPU and serves what it is dispatched."""
     from qlm.catalog import canonical_gpu
 
+    gate = _admission_gate(admission, usl)  # bad options fail before anything starts
+    budget = _output_budget(admission, saber_expected_tokens)
     s = _settings()
     _setup_logging(s, "agent")
     _use_gpu_table(s, gpu_table)
@@ -376,11 +385,12 @@ def agent(
         },
         servers=server or [],
     )
-    gate = _admission_gate(admission, usl)
     if health_port is not None:
         s = s.model_copy(update={"agent_health_port": health_port})
     try:
-        asyncio.run(_run_agent(s, backend, engines, gpu_type, agent_id, gate, cpu_memory_gb))
+        asyncio.run(
+            _run_agent(s, backend, engines, gpu_type, agent_id, gate, budget, cpu_memory_gb)
+        )
     except Exception as exc:
         if backend != "http":
             raise
@@ -474,6 +484,19 @@ def _admission_gate(admission: str, usl: str | None) -> Any:
     return SLOAdmissionGate(model)
 
 
+def _output_budget(admission: str, expected: str | None) -> Any:
+    if expected is None:
+        return None
+    if admission != "saber":
+        raise typer.BadParameter("--saber-expected-tokens needs --admission saber")
+    from qlm.admission import OutputBudget
+
+    try:
+        return OutputBudget.parse(expected)
+    except ValueError as exc:
+        raise typer.BadParameter(f"--saber-expected-tokens {expected!r}: {exc}") from exc
+
+
 async def _run_agent(
     s: Settings,
     backend: str,
@@ -481,6 +504,7 @@ async def _run_agent(
     gpu_type: str,
     agent_id: str | None,
     gate: Any,
+    budget: Any,
     cpu_memory_gb: float | None,
 ) -> None:
     from qlm.agents.agent import Agent
@@ -500,6 +524,7 @@ async def _run_agent(
         heartbeat_interval_s=s.heartbeat_interval_s,
         admission_gate=gate,
         cpu_memory_gb=cpu_memory_gb,
+        output_budget=budget,
     )
     health = None
     if s.agent_health_port:  # up before the engines: /healthz answers while vLLM loads

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from qlm.admission import PullAdmission, SLOAdmissionGate, USLSpeedModel
+from qlm.admission import OutputBudget, PullAdmission, SLOAdmissionGate, USLSpeedModel
 from qlm.engine_model import get_profile
 from qlm.planner import create_policy
 from qlm.tooling.simulator.cluster import ClusterSimulator, InstanceSpec, LSOSwitches, SimConfig
@@ -19,10 +19,11 @@ from qlm.tooling.simulator.runner import (
     expand_variants,
     instance_specs,
     run_scenario,
+    saber_output_budgets,
     scenario_requests,
     sim_config,
 )
-from qlm.tooling.simulator.saber import fit_decode_speed, fit_engine_speed
+from qlm.tooling.simulator.saber import fit_decode_speed, fit_engine_speed, task_mean_outputs
 from qlm.tooling.simulator.scenario import ScenarioError, ScenarioSpec
 from qlm.tooling.simulator.targets import check_saber
 from qlm.tooling.simulator.workload import SimRequest
@@ -55,11 +56,14 @@ def _req(rid: str, t: float, output: int, slo: float) -> SimRequest:
     return SimRequest(rid, MODEL, t, 16, output, output, "c", slo, None, "s")
 
 
-def _saber_sim(requests: list[SimRequest], f: USLSpeedModel) -> ClusterSimulator:
+def _saber_sim(
+    requests: list[SimRequest], f: USLSpeedModel, budgets: dict[str, OutputBudget] | None = None
+) -> ClusterSimulator:
     config = SimConfig(
         lso=LSOSwitches(slo_pull=True),
         pull_gate="saber",
         speed_models={"i0": {MODEL: f}},
+        output_budgets=budgets or {},
         drain_s=120.0,
     )
     spec = InstanceSpec("i0", "A100-80GB", (MODEL,))
@@ -149,6 +153,31 @@ def test_the_best_effort_tier_waits_until_the_coordinator_leaves_credit_unused()
     assert adm.in_time_queue_empty()
     adm.admit(lambda: 8, lambda r: engine.append(r[0]), 0.0)
     assert engine == ["late"] and adm.frozen == {"late": 0.0}
+
+
+def test_a_task_mean_budget_keeps_a_capped_short_answer_in_time() -> None:
+    # a client's cap of 1,000 tokens on a 50-token answer due in 2 s: read as its cap it needs
+    # 500 tok/s > f(1) and is demoted on arrival; read as its task's mean (50) it needs 25
+    f = USLSpeedModel(lam=100.0, sigma=0.5, kappa=0.0)
+    capped = [SimRequest("r", MODEL, 0.0, 16, 50, 1000, "c", 2.0, None, "s")]
+    assert _saber_sim(capped, f).run().demoted == 1
+    sim = _saber_sim(capped, f, {MODEL: OutputBudget({"c": 50.0})})
+    result = sim.run()
+    assert result.demoted == 0 and sim.jobs["r"].finished_s is not None
+    assert sim.jobs["r"].finished_s <= 2.0
+
+
+def test_task_means_are_profiled_per_class_from_the_workload() -> None:
+    reqs = [
+        SimRequest(f"q{k}", MODEL, 0.0, 8, 10 + k, 128, "qna", 1.0, None, "q") for k in range(4)
+    ]
+    reqs += [SimRequest("g0", MODEL, 0.0, 8, 300, 1024, "gen", 8.0, None, "g")]
+    reqs += [SimRequest("o0", "other", 0.0, 8, 7, 64, "qna", 1.0, None, "o")]
+    assert task_mean_outputs(reqs, MODEL) == {"gen": 300.0, "qna": 11.5}
+    budgets = saber_output_budgets([InstanceSpec("i0", "A100-80GB", (MODEL,))], reqs)
+    assert set(budgets) == {MODEL} and budgets[MODEL].expected["qna"] == 11.5
+    with pytest.raises(ValueError, match="no request"):
+        task_mean_outputs(reqs, "absent")
 
 
 def test_the_saber_gate_needs_a_speed_model() -> None:
@@ -266,7 +295,7 @@ def test_the_preset_runs_its_columns_side_by_side_reproducibly() -> None:
     first = run_scenario(spec, _factory)
     second = run_scenario(spec, _factory)
     names = [f"mns={n}" for n in (4, 8, 16, 32, 64, 128, 256)]
-    assert list(first["policies"]) == [*names, "saber", "saber-e2e", "qlm-gate"]
+    assert list(first["policies"]) == [*names, "saber", "saber-e2e", "saber-cap", "qlm-gate"]
     for name, entry in first["policies"].items():
         assert entry["slo_attainment"] == second["policies"][name]["slo_attainment"]
         assert len(entry["slo_attainment"]) == len(first["sweep"]["values"])

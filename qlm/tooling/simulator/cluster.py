@@ -49,7 +49,13 @@ from typing import Any, Protocol
 import numpy as np
 import structlog
 
-from qlm.admission import GATE_WINDOW, PullAdmission, SLOAdmissionGate, required_speed
+from qlm.admission import (
+    GATE_WINDOW,
+    OutputBudget,
+    PullAdmission,
+    SLOAdmissionGate,
+    required_speed,
+)
 from qlm.chains import LateTaskRule
 from qlm.control import Completion, Evicted, Heartbeat, InstanceInfo, InstanceStatus
 from qlm.coordinator.core import BatchCapOrder, CoordinatorCore, LSOSettings
@@ -115,6 +121,9 @@ class SimConfig:
     pull_gate: str = "qlm"
     # "saber": instance id -> model -> f(L) (runner.saber_speed_fits profiles and fits them)
     speed_models: Mapping[str, Mapping[str, Callable[[int], float]]] = field(default_factory=dict)
+    # "saber": model -> SABER's maxTokens reading (runner.saber_output_budgets profiles each
+    # task's mean output); a model not in it: every request at its max_tokens
+    output_budgets: Mapping[str, OutputBudget] = field(default_factory=dict)
     saber_window: int = 16  # SABER's windowSize: the head of the queue it samples from
     seed: int = 0  # SABER's random pick inside the window
     # a chain step whose task is already late: "promote" (CATO) or "demote" (SABER), as the
@@ -246,10 +255,20 @@ def _job_id(job: SimJob) -> str:
     return job.request_id
 
 
-def _need(job: SimJob, now: float) -> float:
-    """SABER's reqSpd: the tokens it has left over the time left to its deadline (the view
-    as dispatched is already the resume's, so what is left is its max_tokens)."""
-    return required_speed(job.view.max_tokens, job.view.deadline, now)
+@dataclass(frozen=True)
+class _Need:
+    """SABER's reqSpd: the tokens it has left over the time left to its deadline. The view as
+    dispatched is already the resume's: what its cap leaves is its max_tokens; the model's
+    budget (SABER's maxTokens reading, :class:`~qlm.admission.OutputBudget`) may take less."""
+
+    budgets: Mapping[str, OutputBudget]
+
+    def __call__(self, job: SimJob, now: float) -> float:
+        left = job.view.max_tokens
+        budget = self.budgets.get(job.req.model)
+        if budget is not None:
+            left = budget.tokens_left(left, job.req.max_tokens - left, job.req.slo_class)
+        return required_speed(left, job.view.deadline, now)
 
 
 def _ms(seconds: float | None) -> int | None:
@@ -418,6 +437,7 @@ class ClusterSimulator:
         self._infos: dict[str, InstanceInfo] = {}
         self._rng = random.Random(self.config.seed)
         self._saber = lso.slo_pull and self.config.pull_gate == "saber"
+        self._need = _Need(self.config.output_budgets if self._saber else {})
         if self._saber and controller is not None:
             raise ValueError("the SABER pull gate does not run with a capacity controller")
         if self._saber:
@@ -615,7 +635,7 @@ class ClusterSimulator:
                 gate = SLOAdmissionGate(inst.decode_speed)
         agent: PullAdmission[SimJob] = PullAdmission(
             gate,
-            need=_need,
+            need=self._need,
             key=_job_id,
             window=window,
             strict=self._saber,

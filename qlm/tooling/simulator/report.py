@@ -488,6 +488,7 @@ def speed_model_rows(summary: Mapping[str, Any]) -> list[list[str]]:
                             _general(fit.get("kappa")),
                             _fixed(3)(fit.get("r_squared")),
                             _count(fit.get("points")),
+                            _expected_output(fit.get("expected_output_tokens")),
                         ]
                     )
     return rows
@@ -504,7 +505,15 @@ SPEED_MODEL_HEADERS = [
     "κ",
     "R²",
     "points",
+    "maxTokens",
 ]
+
+
+def _expected_output(expected: Any) -> str:
+    """A SABER column's maxTokens reading: each task's mean output, or the requests' own."""
+    if not isinstance(expected, Mapping) or not expected:
+        return "max_tokens"
+    return ", ".join(f"{k} {v:g}" for k, v in expected.items())
 
 
 def render_console_table(summary: Mapping[str, Any]) -> str:
@@ -587,7 +596,7 @@ def results_markdown(summary: Mapping[str, Any], plots: Sequence[str] = ()) -> s
             "simulated engine before each run; R² on the profiled points.",
             "",
             "| " + " | ".join(SPEED_MODEL_HEADERS) + " |",
-            "| " + " | ".join(["---"] * 5 + ["---:"] * 5) + " |",
+            "| " + " | ".join(["---"] * 5 + ["---:"] * 5 + ["---"]) + " |",
             *("| " + " | ".join(_md_cell(c) for c in r) + " |" for r in fits),
         ]
     if plots:

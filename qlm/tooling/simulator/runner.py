@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import structlog
 
+from qlm.admission import OutputBudget
 from qlm.chains import LateTaskRule
 from qlm.policy import QueuePolicy
 from qlm.tooling.simulator.cluster import (
@@ -30,6 +31,7 @@ from qlm.tooling.simulator.saber import (
     SpeedFit,
     fit_decode_speed,
     fit_engine_speed,
+    task_mean_outputs,
     workload_lengths,
 )
 from qlm.tooling.simulator.scenario import ScenarioSpec, VariantSpec, load_profile
@@ -79,6 +81,9 @@ class PolicyVariant:
     pull_gate: str | None = None  # "qlm" | "saber" (see SimConfig.pull_gate)
     # "saber": how f(L) is profiled, "decode" (qlm profile's sweep) or "e2e" (SABER's paper)
     speed_profile: str = "decode"
+    # "saber": its maxTokens, "max_tokens" (the request's) or "task_mean" (each SLO class's
+    # mean output, profiled on the workload before the run: OutputBudget)
+    saber_tokens: str = "max_tokens"
     late_task_rule: LateTaskRule | None = None  # the coordinator's, for late task-chain calls
 
     @property
@@ -101,6 +106,7 @@ class PolicyVariant:
             slo_pull,
             gate,
             spec.speed_profile,
+            spec.saber_tokens,
             spec.late_task_rule,
         )
 
@@ -211,9 +217,29 @@ def simulate(
         fits = saber_speed_fits(instances, reqs, spec.seed, variant.speed_profile)
         speed = {iid: {m: f.usl for m, f in per.items()} for iid, per in fits.items()}
         config = replace(config, speed_models=speed)
+        if variant.saber_tokens == "task_mean":
+            config = replace(
+                config, output_budgets=saber_output_budgets(instances, reqs, spec.seed)
+            )
+        elif variant.saber_tokens != "max_tokens":
+            raise ValueError(
+                f"saber_tokens must be 'max_tokens' or 'task_mean', not {variant.saber_tokens!r}"
+            )
     sim = ClusterSimulator(instances, policy, reqs, config, progress=progress)
     result = sim.run()
-    result.speed_fits = {iid: {m: f.to_dict() for m, f in per.items()} for iid, per in fits.items()}
+    budgets = config.output_budgets  # SABER's maxTokens per task, recorded with its f(L)
+    result.speed_fits = {
+        iid: {
+            m: f.to_dict()
+            | (
+                {"expected_output_tokens": {k: round(v, 1) for k, v in budgets[m].expected.items()}}
+                if m in budgets
+                else {}
+            )
+            for m, f in per.items()
+        }
+        for iid, per in fits.items()
+    }
     return result
 
 
@@ -248,6 +274,16 @@ def saber_speed_fits(
             per[model] = fit
         out[inst.instance_id] = per
     return out
+
+
+def saber_output_budgets(
+    instances: Sequence[InstanceSpec], requests: Sequence[SimRequest], seed: int = 0
+) -> dict[str, OutputBudget]:
+    """SABER's maxTokens per task for every model an instance serves (and requests use): each
+    SLO class's mean output, from a seeded sample of the workload (``task_mean_outputs``)."""
+    models = {m for inst in instances for m in inst.models}
+    used = {r.model for r in requests}
+    return {m: OutputBudget(task_mean_outputs(requests, m, seed)) for m in sorted(models & used)}
 
 
 def run_scenario(

@@ -252,3 +252,25 @@ def workload_lengths(
         order = rng.permutation(len(pairs))
         pairs = [pairs[int(i)] for i in order]
     return pairs
+
+
+def task_mean_outputs(
+    requests: Sequence[SimRequest], model: str, seed: int = 0
+) -> dict[str, float]:
+    """SABER's "average output length per task type" for ``model``: each SLO class's mean
+    output over a seeded sample of the requests to it (at most ``PROFILE_SAMPLE`` per class),
+    profiled before the run as f(L) is."""
+    by_class: dict[str, list[int]] = {}
+    for r in requests:
+        if r.model == model:
+            by_class.setdefault(r.slo_class, []).append(r.output_tokens)
+    if not by_class:
+        raise ValueError(f"no request to {model!r} to profile the output lengths with")
+    rng = np.random.default_rng(seed)
+    means: dict[str, float] = {}
+    for name in sorted(by_class):
+        outputs = by_class[name]
+        if len(outputs) > PROFILE_SAMPLE:
+            outputs = [outputs[int(i)] for i in rng.choice(len(outputs), PROFILE_SAMPLE, False)]
+        means[name] = float(np.mean(outputs))
+    return means

@@ -322,6 +322,10 @@ class VariantSpec(_Strict):
     # profile's concurrency sweep of decode speed) or "e2e" (SABER's paper: each request's
     # tokens / execution time under open-loop load at several rates)
     speed_profile: Literal["decode", "e2e"] = "decode"
+    # saber: its maxTokens (the tokens it takes a request to need): "max_tokens" (the
+    # request's) or "task_mean" (each SLO class's mean output, profiled on the workload before
+    # the run, as SABER's paper allows: "an estimate of the average output length per task")
+    saber_tokens: Literal["max_tokens", "task_mean"] = "max_tokens"
     # the coordinator's rule for calls of late tasks in this column (default: options')
     late_task_rule: Literal["promote", "demote"] | None = None
     overrides: dict[str, Any] = Field(default_factory=dict)  # policy constructor arguments
