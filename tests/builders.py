@@ -1,8 +1,12 @@
-"""Tiny builders for unit tests of the coordinator core and the policies (no broker)."""
+"""Tiny builders for unit tests of the coordinator core and the policies (no broker), and
+the polling wait the broker tests share."""
 
 from __future__ import annotations
 
+import asyncio
 import itertools
+import time
+from collections.abc import Callable
 
 from qlm.control import Heartbeat, InstanceInfo, InstanceStatus
 from qlm.policy import PlanInstance, PlanRequest
@@ -75,3 +79,12 @@ def heartbeat(
             for i in range(n)
         ],
     )
+
+
+async def wait_until(predicate: Callable[[], object], timeout: float = 20.0) -> None:
+    """Poll ``predicate`` every 20 ms until it holds; TimeoutError after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError("condition not reached")
+        await asyncio.sleep(0.02)

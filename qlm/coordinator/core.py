@@ -347,11 +347,13 @@ class CoordinatorCore:
         self._seq = 0
         self.last_plan: Plan | None = None
         # A plan being computed off the event loop (begin_plan ... adopt_plan): meanwhile the
-        # policy is left alone - arrivals and requeues wait unassigned and completions' length
+        # policy is left alone - arrivals and requeues wait unassigned (or, where they would
+        # start at once, go to a free slot without it: _free_slot) and completions' length
         # observations are kept - so that the planner thread and the loop never share its
         # state. adopt_plan places the waiting ones and hands the observations over.
         self.planning = False
         self._deferred_observations: list[CompletionObservation] = []
+        self._sent_free: list[str] = []  # sent to a free slot during this plan
 
     # ---------------------------------------------------------------- arrivals
     def admit(
@@ -641,9 +643,19 @@ class CoordinatorCore:
         self._live_cache = None
 
     def _place(self, tracked: TrackedRequest, now: float) -> None:
-        if self.planning:  # placed by adopt_plan, once the plan is in
+        if self.planning:  # the policy is a plan's, elsewhere: adopt_plan places it
             tracked.state = TrackState.QUEUED
             tracked.dispatch_id = None
+            free = self._free_slot(tracked.request.model)
+            if free is not None:
+                # it would start at once wherever the policy put it: it goes there now (the
+                # next pump dispatches it) rather than wait out the plan; the plan never held
+                # it, and if it is still queued at the adoption, the policy places it then
+                free.queue.insert(tracked.request_id, (tracked.seq,))
+                free.queued_tokens += self.policy.work_tokens(tracked.plan_view)
+                tracked.instance_id = free.instance_id
+                self._sent_free.append(tracked.request_id)
+                return
             tracked.instance_id = None
             self.unassigned.append(tracked.request_id)
             return
@@ -661,6 +673,26 @@ class CoordinatorCore:
         inst.queue.insert(tracked.request_id, self.policy.sort_key(tracked.plan_view))
         inst.queued_tokens += self.policy.work_tokens(tracked.plan_view)
         tracked.instance_id = target
+
+    def _free_slot(self, model: str) -> InstanceState | None:
+        """An alive instance running ``model`` with a free batch slot (counting everything
+        dispatched to it and not finished, and its batch cap), credit its agent granted, and
+        nothing queued for it: a request sent there starts now. The least busy one, if any."""
+        best: InstanceState | None = None
+        for inst in self._live():
+            st = inst.last_status
+            if inst.credit <= 0 or len(inst.queue) or st is None or st.active_model != model:
+                continue
+            if st.waiting:  # the engine's own queue holds work (as of its last heartbeat)
+                continue
+            slots = inst.info.max_batch_size
+            if st.max_in_engine is not None:
+                slots = min(slots, st.max_in_engine)
+            if len(inst.running) >= slots:
+                continue
+            if best is None or len(inst.running) < len(best.running):
+                best = inst
+        return best
 
     def _unqueue(self, tracked: TrackedRequest) -> None:
         """Take a QUEUED (or HELD) request out of wherever it waits."""
@@ -1206,6 +1238,14 @@ class CoordinatorCore:
         if not self.planning:
             return
         self.planning = False
+        # sent to a free slot and not dispatched yet: its key is no policy's, so the policy
+        # places it again (adopt_plan does the same by clearing every queue)
+        sent, self._sent_free = self._sent_free, []
+        for rid in sent:
+            tracked = self.requests.get(rid)
+            if tracked is not None and tracked.state == TrackState.QUEUED:
+                self._unqueue(tracked)
+                self._place(tracked, now)
         observed, self._deferred_observations = self._deferred_observations, []
         for obs in observed:
             self.policy.observe_completion(obs)
@@ -1216,6 +1256,7 @@ class CoordinatorCore:
         was computed (dispatched, answered) are skipped; those that arrived meanwhile, and
         those on an instance that is no longer live, are placed again."""
         self.planning = False  # observations are handed over below, once the plan is in
+        self._sent_free = []  # any still queued is in a cleared queue below, placed again
         waiting: dict[str, TrackedRequest] = {}
         for inst in self.instances.values():
             for rid in inst.queue.clear():

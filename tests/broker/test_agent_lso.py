@@ -27,6 +27,7 @@ from qlm.coordinator.service import Coordinator
 from qlm.planner import create_policy
 from qlm.store import Store
 from qlm.types import SLO, RequestMessage, ResultMessage
+from tests.builders import wait_until
 
 MODEL = "mistral-7b"
 
@@ -65,14 +66,6 @@ async def _uninterrupted(rid: str, max_tokens: int, seed: int, prompt_len: int =
     return out.output_token_ids
 
 
-async def _wait(predicate, timeout: float = 20.0) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError("condition not reached")
-        await asyncio.sleep(0.02)
-
-
 @pytest.mark.broker
 async def test_evicted_request_resumes_exactly_and_is_answered_once(
     isolated_amqp_url: str, tmp_path
@@ -88,9 +81,9 @@ async def test_evicted_request_resumes_exactly_and_is_answered_once(
     await agent.start()
     try:
         async with QlmClient(isolated_amqp_url) as client:
-            await _wait(lambda: "lso-gpu0" in coord.core.instances)
+            await wait_until(lambda: "lso-gpu0" in coord.core.instances)
             fut = await client.submit(_request("long", max_tokens=400))
-            await _wait(
+            await wait_until(
                 lambda: (
                     (t := coord.core.requests.get("long")) is not None
                     and t.state == TrackState.DISPATCHED
@@ -201,7 +194,7 @@ async def test_qlm_planner_evicts_batch_work_for_urgent_requests(
     await agent.start()
     try:
         async with QlmClient(isolated_amqp_url) as client:
-            await _wait(lambda: "ev-gpu0" in coord.core.instances)
+            await wait_until(lambda: "ev-gpu0" in coord.core.instances)
             futures = []
             for i in range(12):
                 req = RequestMessage(
@@ -212,7 +205,7 @@ async def test_qlm_planner_evicts_batch_work_for_urgent_requests(
                     slo=SLO(e2e_ms=3_600_000, slo_class="batch"),
                 )
                 futures.append(await client.submit(req))
-            await _wait(lambda: len(engine.stats().in_flight) == 8)
+            await wait_until(lambda: len(engine.stats().in_flight) == 8)
             await asyncio.sleep(1.0)
             for i in range(10):
                 req = RequestMessage(
@@ -260,9 +253,11 @@ async def test_the_agent_keeps_its_engine_within_the_batch_cap(
     peak = 0
     try:
         async with QlmClient(isolated_amqp_url) as client:
-            await _wait(lambda: "cap-gpu0" in coord.core.instances)
+            await wait_until(lambda: "cap-gpu0" in coord.core.instances)
             await coord._send_lso([], [], [BatchCapOrder("cap-gpu0", "cap", 2)])
-            await _wait(lambda: coord.core.instances["cap-gpu0"].plan_view().max_in_engine == 2)
+            await wait_until(
+                lambda: coord.core.instances["cap-gpu0"].plan_view().max_in_engine == 2
+            )
             # credit the agent granted before the cap is not taken back (a known overshoot of
             # at most one pull): tiny requests use it up, so what follows runs on credit
             # granted under the cap

@@ -6,8 +6,6 @@ shed; room comes back as requests are answered."""
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import aio_pika
@@ -23,7 +21,7 @@ from qlm.planner import create_policy
 from qlm.store import Store
 from qlm.topology import DEAD_LETTER_QUEUE, REASON_HEADER, REASON_TEXT_HEADER
 from qlm.types import SLO, ErrorCode, ErrorMessage, RequestMessage, ResultMessage
-from tests.builders import heartbeat
+from tests.builders import heartbeat, wait_until
 
 
 def _req(rid: str, tenant: str | None = None) -> RequestMessage:
@@ -50,14 +48,6 @@ def _admit(
         result_held=held,
     )
     return outcome
-
-
-async def _wait(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError("condition not reached")
-        await asyncio.sleep(0.02)
 
 
 def test_global_and_tenant_limits_in_the_core() -> None:
@@ -177,7 +167,7 @@ async def test_requests_beyond_the_limit_get_an_overloaded_reply_and_a_dead_lett
             # a copy of a kept request published again is not new load: never shed
             await client.submit(_req("t0", "t"))
             # (same reply route: acked at once and counted, nothing held or added)
-            await _wait(lambda: coord.core.requests["t0"].duplicate_copies == 1)
+            await wait_until(lambda: coord.core.requests["t0"].duplicate_copies == 1)
             assert coord.core.requests["t0"].duplicates == []
             assert not any(f.done() for f in kept)  # the admitted ones wait, unanswered
             assert len(coord.core.requests) == 3
@@ -238,7 +228,7 @@ async def test_room_comes_back_as_requests_are_answered(
             await agent.start()
             for fut in kept:
                 assert isinstance(await asyncio.wait_for(fut, 20), ResultMessage)
-            await _wait(lambda: not coord.core.requests)
+            await wait_until(lambda: not coord.core.requests)
         async with QlmClient(isolated_amqp_url) as retry_client:  # a fresh producer retries
             again = await retry_client.request(_req("late"), timeout=20)
             assert isinstance(again, ResultMessage) and again.request_id == "late"

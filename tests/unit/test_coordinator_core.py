@@ -636,6 +636,73 @@ def test_a_plan_computed_elsewhere_leaves_the_policy_alone_until_adopted() -> No
     assert running.request_id == order.tracked.request_id
 
 
+def _serving(status_update: dict[str, object], n: int = 2) -> Heartbeat:
+    """``n`` instances with mistral-7b active, each status updated with ``status_update``."""
+    hb = heartbeat("a", n)
+    update = {"active_model": "mistral-7b", **status_update}
+    return hb.model_copy(update={"instances": [s.model_copy(update=update) for s in hb.instances]})
+
+
+def test_an_arrival_during_a_plan_starts_at_once_where_a_batch_slot_is_free() -> None:
+    """While a plan is computed elsewhere an arrival that would start at once (an instance of
+    its model with credit, a free batch slot and nothing queued) is sent there without the
+    policy; one that would wait is placed by the policy once the plan is in."""
+    policy = _CountingEDF()
+    core = CoordinatorCore(policy, heartbeat_timeout_s=3.0)
+    core.on_heartbeat(_serving({}), now=0.0)
+    core.on_pull("a-gpu1", 1)
+    requests, instances = core.begin_plan()
+    places = policy.places
+    now_ = admit(core, e2e_ms=60_000)
+    assert now_.instance_id == "a-gpu1" and core.unassigned == []
+    later = admit(core, e2e_ms=1_000)  # a-gpu0 has no credit, a-gpu1 holds one queued
+    assert later.instance_id is None and core.unassigned == [later.request_id]
+    [order] = core.next_dispatches(0.1)
+    assert order.tracked is now_ and order.instance_id == "a-gpu1"
+    assert policy.places == places
+    core.adopt_plan(policy.plan(requests, instances, 0.2), now=0.2)
+    assert policy.places == places + 1 and later.instance_id is not None
+    assert now_.state == TrackState.DISPATCHED and core.unassigned == []
+
+
+def test_an_aborted_plan_hands_an_arrival_still_queued_in_a_free_slot_to_the_policy() -> None:
+    policy = _CountingEDF()
+    core = CoordinatorCore(policy, heartbeat_timeout_s=3.0)
+    core.on_heartbeat(_serving({}, n=1), now=0.0)
+    core.on_pull("a-gpu0", 1)
+    core.begin_plan()
+    sent = admit(core, e2e_ms=60_000)
+    assert sent.instance_id == "a-gpu0" and policy.places == 0
+    core.abort_plan(now=0.1)  # before any pump: the policy places it, with its own key
+    assert policy.places == 1 and list(core.instances["a-gpu0"].queue) == [sent.request_id]
+    other = admit(core, e2e_ms=1_000)  # keys of one policy compare: EDF puts it first
+    assert list(core.instances["a-gpu0"].queue) == [other.request_id, sent.request_id]
+
+
+@pytest.mark.parametrize(
+    ("status", "running", "why"),
+    [
+        ({"waiting": 1}, 0, "the engine's own queue holds work"),
+        ({"active_model": "vicuna-13b"}, 0, "another model is active"),
+        ({"active_model": None}, 0, "no model is active"),
+        ({"max_in_engine": 1}, 1, "its batch cap is full"),
+        ({}, 256, "every batch slot is taken"),
+    ],
+)
+def test_an_arrival_during_a_plan_waits_where_it_would_not_start_at_once(
+    status: dict[str, object], running: int, why: str
+) -> None:
+    core = CoordinatorCore(_CountingEDF(), heartbeat_timeout_s=3.0)
+    core.on_heartbeat(_serving(status, n=1), now=0.0)
+    inst = core.instances["a-gpu0"]
+    inst.running.update({f"r{k}": f"d{k}" for k in range(running)})
+    core.on_pull("a-gpu0", 1)
+    core.begin_plan()
+    arrival = admit(core, e2e_ms=60_000)
+    assert arrival.instance_id is None and core.unassigned == [arrival.request_id], why
+    assert core.next_dispatches(0.1) == []
+
+
 def test_an_aborted_plan_hands_the_policy_back() -> None:
     policy = _CountingEDF()
     core = CoordinatorCore(policy, heartbeat_timeout_s=3.0)
