@@ -58,7 +58,7 @@ async def test_an_arrival_starts_while_a_slow_plan_is_computed(
     isolated_amqp_url: str, tmp_path: Any
 ) -> None:
     store = await Store.open(f"sqlite+aiosqlite:///{tmp_path}/qlm.db")
-    policy = _SlowPlanEDF(plan_s=3.0)
+    policy = _SlowPlanEDF(plan_s=5.0)
     coord = Coordinator(amqp_url=isolated_amqp_url, policy=policy, store=store, shards=1)
     await coord.start()
     engine = SimEngine("A100-80GB", [MODEL], time_scale=1.0, seed=1)
