@@ -109,14 +109,15 @@ class Agent:
         """``admission_gate``: SABER's SLO-aware admission in front of each engine (None: a
         dispatched request goes to the engine at once; the engine's own limits apply).
         ``output_budget``: the tokens the gate takes a request to need (default: its
-        ``max_tokens``)."""
+        ``max_tokens``); one that learns is fed every completion."""
         self.amqp_url = amqp_url
         self.agent_id = agent_id or f"agent-{uuid.uuid4().hex[:8]}"
         self.incarnation = uuid.uuid4().hex  # this process (see Heartbeat.incarnation)
         self.heartbeat_interval_s = heartbeat_interval_s
         self.pull_interval_s = pull_interval_s
         self.instances: dict[str, HostedInstance] = {}
-        need = _Need(output_budget or OutputBudget())
+        self.output_budget = output_budget or OutputBudget()
+        need = _Need(self.output_budget)
         for i, engine in enumerate(engines):
             iid = f"{self.agent_id}-gpu{i}"
             info = InstanceInfo(
@@ -454,6 +455,7 @@ class Agent:
                     message=out.error,
                 )
             else:
+                self.output_budget.observe(d.request.slo.slo_class, len(out.output_token_ids))
                 msg = Completion(
                     agent_id=self.agent_id,
                     instance_id=inst.info.instance_id,

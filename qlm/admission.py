@@ -26,7 +26,7 @@ import heapq
 import math
 import random
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
@@ -46,16 +46,27 @@ def required_speed(remaining_tokens: int, deadline: float | None, now: float) ->
     return remaining_tokens / (deadline - now)
 
 
-@dataclass(frozen=True)
+# an agent that learns each class's mean output (``OutputBudget.learn``) takes it over the
+# class's last LEARN_WINDOW completions, once it has LEARN_MIN of them
+LEARN_WINDOW = 512
+LEARN_MIN = 32
+
+
+@dataclass
 class OutputBudget:
     """SABER's ``maxTokens``: how many tokens a request is taken to generate. SABER's paper
     allows the request's ``max_tokens`` or "an estimate of the average output length per task
     type". With the caps clients send (``max_tokens`` far above most answers) the first marks
     most short-deadline requests hopeless on arrival (docs/benchmarks.md, ``saber``), so a
     deployment profiles each task's mean output and gives it here. ``expected``: SLO class ->
-    mean output tokens; a class not in it (or no class) is taken at its ``max_tokens``."""
+    mean output tokens; a class not in it (or no class) is taken at its ``max_tokens``.
+    ``learn``: each completion seen (:meth:`observe`) updates its class's mean, over the last
+    ``LEARN_WINDOW`` of the class once it has ``LEARN_MIN`` (a given mean holds until then)."""
 
-    expected: Mapping[str, float] = field(default_factory=dict)
+    expected: dict[str, float] = field(default_factory=dict)
+    learn: bool = False
+    _window: dict[str, deque[int]] = field(default_factory=dict, repr=False)
+    _sums: dict[str, int] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         bad = {k: v for k, v in self.expected.items() if not (math.isfinite(v) and v > 0)}
@@ -70,19 +81,37 @@ class OutputBudget:
             return max_tokens_left
         return max(1, min(max_tokens_left, math.ceil(expected) - generated))
 
+    def observe(self, slo_class: str | None, output_tokens: int) -> None:
+        """A completed request of ``slo_class`` generated ``output_tokens`` (learning only)."""
+        if not self.learn or slo_class is None or output_tokens < 1:
+            return
+        window = self._window.setdefault(slo_class, deque(maxlen=LEARN_WINDOW))
+        total = self._sums.get(slo_class, 0)
+        if len(window) == window.maxlen:
+            total -= window[0]
+        window.append(output_tokens)
+        self._sums[slo_class] = total = total + output_tokens
+        if len(window) >= LEARN_MIN:
+            self.expected[slo_class] = total / len(window)
+
     @classmethod
     def parse(cls, text: str) -> OutputBudget:
-        """``CLASS=TOKENS,...`` (the agent's ``--saber-expected-tokens``)."""
+        """``CLASS=TOKENS,...``, with ``auto`` among them to learn from completions (the
+        agent's ``--saber-expected-tokens``)."""
         expected: dict[str, float] = {}
+        learn = False
         for item in filter(None, (part.strip() for part in text.split(","))):
+            if item == "auto":
+                learn = True
+                continue
             name, sep, value = item.partition("=")
             if not sep or not name.strip():
-                raise ValueError(f"{item!r}: expected CLASS=TOKENS")
+                raise ValueError(f"{item!r}: expected CLASS=TOKENS or auto")
             try:
                 expected[name.strip()] = float(value)
             except ValueError:
                 raise ValueError(f"{item!r}: {value!r} is not a number") from None
-        return cls(expected)
+        return cls(expected, learn=learn)
 
 
 @dataclass(frozen=True)

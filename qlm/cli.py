@@ -327,7 +327,8 @@ def agent(
         str | None,
         typer.Option(
             help="saber: each SLO class's mean output tokens, e.g. qna=24,generation=208 (the "
-            "gate's maxTokens; other classes: the request's max_tokens)"
+            "gate's maxTokens; other classes: the request's max_tokens); add auto to learn "
+            "them from completions (the last 512 of a class, once it has 32)"
         ),
     ] = None,
     cpu_memory_gb: Annotated[

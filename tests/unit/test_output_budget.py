@@ -4,6 +4,7 @@ the client's cap, and what the agent's gate takes from it."""
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import pytest
 from hypothesis import given
@@ -11,10 +12,13 @@ from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from qlm import cli
-from qlm.admission import OutputBudget, required_speed
+from qlm.admission import LEARN_MIN, LEARN_WINDOW, OutputBudget, required_speed
 from qlm.agents.agent import Agent
 from qlm.agents.engine import EngineRequest
 from qlm.agents.sim import SimEngine
+from qlm.control import Dispatch
+from qlm.types import SLO, RequestMessage, SamplingParams
+from tests.builders import wait_until
 
 MODEL = "mistral-7b"
 
@@ -100,3 +104,66 @@ def test_the_agent_cli_names_a_bad_budget(args: list[str], message: str) -> None
     result = CliRunner().invoke(cli.app, ["agent", *args], env={"COLUMNS": "200"})
     assert result.exit_code == 2
     assert message in " ".join(result.output.split())
+
+
+def test_a_learning_budget_takes_each_class_mean_over_its_recent_completions() -> None:
+    budget = OutputBudget.parse("auto, qna=24")
+    assert budget.learn and budget.expected == {"qna": 24.0}
+    for _ in range(LEARN_MIN - 1):
+        budget.observe("qna", 100)
+        budget.observe("chat", 10)
+    assert budget.expected == {"qna": 24.0}  # the given mean holds until LEARN_MIN are seen
+    budget.observe("qna", 100)
+    budget.observe("chat", 10)
+    budget.observe(None, 5)  # no class: nothing to learn
+    assert budget.expected == {"qna": 100.0, "chat": 10.0}
+    for _ in range(LEARN_WINDOW):
+        budget.observe("chat", 30)
+    assert budget.expected["chat"] == 30.0  # the oldest left the window
+    budget.observe("chat", 30 + LEARN_WINDOW)
+    assert budget.expected["chat"] == pytest.approx(31.0)
+    fixed = OutputBudget({"qna": 24.0})
+    fixed.observe("qna", 1000)
+    assert fixed.expected == {"qna": 24.0}  # only a learning budget learns
+
+
+async def test_the_agent_feeds_its_learning_budget_every_completion() -> None:
+    engine = SimEngine("A100-80GB", [MODEL], time_scale=1000.0, seed=1)
+    budget = OutputBudget(learn=True)
+    agent = Agent("amqp://unused/", [engine], agent_id="l", output_budget=budget)
+    inst = agent.instances["l-gpu0"]
+    reported: list[str] = []  # request ids, in the order their completions were reported
+
+    async def report(msg: Any) -> None:  # the broker side is not what this is about
+        reported.append(msg.request_id)
+
+    agent._report = report  # type: ignore[method-assign]
+    await engine.start(agent._make_output_handler(inst))
+    try:
+        now = time.time()
+        for k in range(LEARN_MIN):
+            request = RequestMessage(
+                request_id=f"r{k}",
+                model=MODEL,
+                prompt_token_ids=list(range(8)),
+                max_tokens=6,
+                sampling=SamplingParams(ignore_eos=True),
+                slo=SLO(e2e_ms=60_000, slo_class="chat"),
+            )
+            agent._start_dispatch(
+                inst,
+                Dispatch(
+                    dispatch_id=f"d{k}",
+                    instance_id="l-gpu0",
+                    attempt=1,
+                    request=request,
+                    submitted_at=now,
+                    queued_at=now,
+                    dispatched_at=now,
+                    deadline=now + 60,
+                ),
+            )
+        await wait_until(lambda: len(reported) == LEARN_MIN)
+        assert budget.expected == {"chat": 6.0}
+    finally:
+        await engine.stop()
