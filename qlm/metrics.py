@@ -320,6 +320,18 @@ class CoordinatorMetrics:
             registry=r,
         )
         self._eviction_children = {m: self._evictions.labels(mode=m) for m in ("evict", "swap")}
+        self._plan_arrivals = Counter(
+            f"{namespace}_plan_arrivals",
+            "Requests placed while a plan was computed, by outcome (started: sent at once to a "
+            "free batch slot | waited: placed when the plan was in)",
+            ["outcome"],
+            registry=r,
+        )
+        self._plan_arrival_children = {
+            o: self._plan_arrivals.labels(outcome=o) for o in ("started", "waited")
+        }
+        for child in self._plan_arrival_children.values():
+            child.inc(0)
         self._unacked = Gauge(
             f"{namespace}_unacked_deliveries",
             "Broker deliveries held unacked by this coordinator",
@@ -502,6 +514,11 @@ class CoordinatorMetrics:
     def observe_plan(self, duration_s: float) -> None:
         self._replans.inc()
         self._plan_duration.observe(max(0.0, duration_s))
+
+    def observe_plan_arrivals(self, started: int, waited: int) -> None:
+        """Requests placed while one plan was computed: sent to a free slot, or held for it."""
+        self._plan_arrival_children["started"].inc(max(0, started))
+        self._plan_arrival_children["waited"].inc(max(0, waited))
 
     # ---- histograms ---------------------------------------------------------------------
 

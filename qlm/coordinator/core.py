@@ -354,6 +354,8 @@ class CoordinatorCore:
         self.planning = False
         self._deferred_observations: list[CompletionObservation] = []
         self._sent_free: list[str] = []  # sent to a free slot during this plan
+        # placed while plans were computed, ever: sent to a free slot, or held for the plan
+        self.plan_arrivals = {"started": 0, "waited": 0}
 
     # ---------------------------------------------------------------- arrivals
     def admit(
@@ -655,9 +657,11 @@ class CoordinatorCore:
                 free.queued_tokens += self.policy.work_tokens(tracked.plan_view)
                 tracked.instance_id = free.instance_id
                 self._sent_free.append(tracked.request_id)
+                self.plan_arrivals["started"] += 1
                 return
             tracked.instance_id = None
             self.unassigned.append(tracked.request_id)
+            self.plan_arrivals["waited"] += 1
             return
         live = self._live()
         target = self.policy.place(

@@ -1570,12 +1570,18 @@ class Coordinator:
         async with self._replan_lock:
             start = time.perf_counter()
             now = time.time()
+            before = dict(self.core.plan_arrivals)
             requests, instances = self.core.begin_plan()
             try:
                 plan = await asyncio.to_thread(self.core.policy.plan, requests, instances, now)
             except BaseException:
                 self.core.abort_plan(time.time())
                 raise
+            finally:
+                after = self.core.plan_arrivals
+                self.metrics.observe_plan_arrivals(
+                    after["started"] - before["started"], after["waited"] - before["waited"]
+                )
             self.core.adopt_plan(plan, time.time())
         duration = time.perf_counter() - start
         n = len(plan.assigned_ids()) + len(plan.unassigned)

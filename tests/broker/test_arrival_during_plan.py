@@ -86,6 +86,10 @@ async def test_an_arrival_starts_while_a_slow_plan_is_computed(
             after = await asyncio.wait_for(await client.submit(_request("after")), 20)
             assert isinstance(after, ResultMessage)
             assert client.duplicate_count() == 0
+            started = coord.metrics.registry.get_sample_value(
+                "qlm_plan_arrivals_total", {"outcome": "started"}
+            )
+            assert started is not None and started >= 1.0  # "during", and what replans follow
     finally:
         await agent.stop()
         await coord.stop()

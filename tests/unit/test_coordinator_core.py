@@ -663,6 +663,7 @@ def test_an_arrival_during_a_plan_starts_at_once_where_a_batch_slot_is_free() ->
     core.adopt_plan(policy.plan(requests, instances, 0.2), now=0.2)
     assert policy.places == places + 1 and later.instance_id is not None
     assert now_.state == TrackState.DISPATCHED and core.unassigned == []
+    assert core.plan_arrivals == {"started": 1, "waited": 1}
 
 
 def test_an_aborted_plan_hands_an_arrival_still_queued_in_a_free_slot_to_the_policy() -> None:
