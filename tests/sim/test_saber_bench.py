@@ -300,6 +300,15 @@ def test_the_preset_runs_its_columns_side_by_side_reproducibly() -> None:
         assert entry["slo_attainment"] == second["policies"][name]["slo_attainment"]
         assert len(entry["slo_attainment"]) == len(first["sweep"]["values"])
     assert first["speed_models"] == second["speed_models"]
+    [[mean_fit]] = [per.values() for per in first["speed_models"]["saber"]["2"].values()]
+    [[cap_fit]] = [per.values() for per in first["speed_models"]["saber-cap"]["2"].values()]
+    assert set(mean_fit["expected_output_tokens"]) == {
+        "qna",
+        "summary",
+        "generation",
+        "translation",
+    }
+    assert "expected_output_tokens" not in cap_fit  # taken at max_tokens
     assert "demoted" in first["policies"]["saber"] and "demoted" not in first["policies"]["mns=8"]
 
 

@@ -227,20 +227,19 @@ def simulate(
             )
     sim = ClusterSimulator(instances, policy, reqs, config, progress=progress)
     result = sim.run()
-    budgets = config.output_budgets  # SABER's maxTokens per task, recorded with its f(L)
     result.speed_fits = {
-        iid: {
-            m: f.to_dict()
-            | (
-                {"expected_output_tokens": {k: round(v, 1) for k, v in budgets[m].expected.items()}}
-                if m in budgets
-                else {}
-            )
-            for m, f in per.items()
-        }
+        iid: {m: _fit_record(f, config.output_budgets.get(m)) for m, f in per.items()}
         for iid, per in fits.items()
     }
     return result
+
+
+def _fit_record(fit: SpeedFit, budget: OutputBudget | None) -> dict[str, Any]:
+    """A SABER column's f(L) fit as the summary keeps it, with its maxTokens per task."""
+    record = fit.to_dict()
+    if budget is not None:
+        record["expected_output_tokens"] = {k: round(v, 1) for k, v in budget.expected.items()}
+    return record
 
 
 _FIT_CACHE: dict[tuple[Any, ...], SpeedFit] = {}
