@@ -1297,12 +1297,14 @@ def bench_glance_cmd(
     """Results at a glance: one row per run of `qlm bench sim` - qlm against the strongest
     baseline where it fares worst, the hindsight bound, the target, met or missed. With
     --write, also every run's attainment table between its `attainment:RUN` markers and the
-    simulator speed table (qlm's wall time against EDF's) between the `speed` markers."""
+    simulator speed table (qlm's wall time against EDF's) between the `speed` markers and
+    qlm's distance to the hindsight bound between the `bound` markers."""
     from qlm.tooling.simulator.glance import (
         glance_markdown,
         glance_rows,
         load_summaries,
         write_attainment_blocks,
+        write_bound_block,
         write_into,
         write_speed_block,
     )
@@ -1316,6 +1318,8 @@ def bench_glance_cmd(
             typer.echo(f"wrote the attainment table of {name}")
         if write_speed_block(write, summaries):
             typer.echo("wrote the simulator speed table")
+        if write_bound_block(write, summaries):
+            typer.echo("wrote the distance to the hindsight bound")
 
 
 @bench_app.command("planner")

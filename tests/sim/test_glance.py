@@ -11,10 +11,12 @@ from qlm.tooling.simulator.glance import (
     BEGIN,
     END,
     attainment_markdown,
+    bound_gap_markdown,
     glance_markdown,
     glance_row,
     speed_markdown,
     write_attainment_blocks,
+    write_bound_block,
     write_into,
     write_speed_block,
 )
@@ -111,3 +113,23 @@ def test_the_speed_table_sets_qlms_wall_time_against_edfs(tmp_path: Path) -> Non
     assert write_speed_block(page, {"fast": fast})
     assert "old" not in page.read_text() and "| fast |" in page.read_text()
     assert not write_speed_block(_unmarked(tmp_path), {"fast": fast})
+
+
+def test_the_bound_table_gives_qlms_largest_gap_to_the_hindsight_bound(tmp_path: Path) -> None:
+    # bound 100 / 90: qlm's gaps 10 and 30; edf reaches 65 at the farthest point
+    run = summary([0.9, 0.6], [0.85, 0.65], [0.95, 0.5])
+    close = summary([0.95, 0.85], [0.9, 0.8], [0.9, 0.8])
+    ablation = {"policies": {"qlm": {"slo_attainment": 0.5}, "qlm-x": {"slo_attainment": 0.6}}}
+    ablation["hindsight"] = {"slo_attainment": 1.0}
+    unbounded = {"policies": {"qlm": {"slo_attainment": 0.5}, "edf": {"slo_attainment": 0.4}}}
+    table = bound_gap_markdown(
+        {"run": run, "close": close, "ablation": ablation, "unbounded": unbounded}
+    )
+    assert "| run | 1 of 2 | 8 | 60.0 | edf 65.0 | 90.0 | 30.0 | **missed** |" in table
+    assert "| close | 2 of 2 | 4 | 95.0 | qlm 95.0 | 100.0 | 5.0 | met |" in table
+    assert "ablation" not in table and "unbounded" not in table  # no baseline / no bound
+    page = tmp_path / "b.md"
+    page.write_text("a\n<!-- bound:begin -->\nold\n<!-- bound:end -->\nb\n")
+    assert write_bound_block(page, {"run": run})
+    assert "old" not in page.read_text() and "| run |" in page.read_text()
+    assert not write_bound_block(_unmarked(tmp_path), {"run": run})
