@@ -304,7 +304,13 @@ def speed_markdown(summaries: Mapping[str, Mapping[str, Any]]) -> str:
 
 def write_speed_block(page: Path, summaries: Mapping[str, Mapping[str, Any]]) -> bool:
     """Replace the page's speed block, if it has one."""
-    text = _spliced(page.read_text(), SPEED_BEGIN, SPEED_END, speed_markdown(summaries))
+    return _write_block(page, SPEED_BEGIN, SPEED_END, speed_markdown(summaries))
+
+
+def _write_block(page: Path, begin: str, end: str, body: str) -> bool:
+    """Replace what lies between the page's ``begin`` and ``end`` markers with ``body``;
+    False (the page untouched) when it has no such block."""
+    text = _spliced(page.read_text(), begin, end, body)
     if text is None:
         return False
     page.write_text(text)
@@ -360,8 +366,4 @@ def bound_gap_markdown(summaries: Mapping[str, Mapping[str, Any]]) -> str:
 
 def write_bound_block(page: Path, summaries: Mapping[str, Mapping[str, Any]]) -> bool:
     """Replace the page's hindsight-bound block, if it has one."""
-    text = _spliced(page.read_text(), BOUND_BEGIN, BOUND_END, bound_gap_markdown(summaries))
-    if text is None:
-        return False
-    page.write_text(text)
-    return True
+    return _write_block(page, BOUND_BEGIN, BOUND_END, bound_gap_markdown(summaries))
