@@ -34,7 +34,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
-from qlm.engine_model import EngineProfile, InsufficientMemoryError, get_profile
+from qlm.engine_model import EngineProfile, InsufficientMemoryError, get_profile, profile_caches
 from qlm.policy import Plan, PlanInstance, PlanRequest
 
 FALLBACK_GPU = "A100-80GB"
@@ -51,6 +51,9 @@ def profile_for(gpu_type: str, model: str) -> EngineProfile:
             return get_profile(gpu_type, FALLBACK_MODEL)
         except (KeyError, InsufficientMemoryError):
             return get_profile(FALLBACK_GPU, FALLBACK_MODEL)
+
+
+profile_caches(profile_for.cache_clear)  # a newly registered profile holds for the next plan
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from functools import lru_cache
 from typing import Any
 
+from qlm.engine_model import profile_caches
 from qlm.policy import (
     CompletionObservation,
     Plan,
@@ -56,6 +57,9 @@ def token_costs(gpu_type: str, model: str) -> tuple[float, float]:
     prefill = profile.prefill_time(TYPICAL_CONTEXT) / TYPICAL_CONTEXT
     decode = profile.decode_iteration_time(TYPICAL_BATCH, TYPICAL_CONTEXT) / TYPICAL_BATCH
     return prefill, decode
+
+
+profile_caches(token_costs.cache_clear)  # a newly registered profile holds for the next plan
 
 
 class GainDensityPolicy(QueuePolicy):

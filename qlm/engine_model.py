@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 from functools import cached_property
 from typing import Any
@@ -319,19 +320,40 @@ def vllm_batch_defaults(gpu: GPUSpec) -> tuple[int, int]:
 
 
 # Measured profiles (`qlm profile`) registered by the coordinator at start: get_profile returns
-# them instead of the roofline for their (GPU type, model). Register before planning starts:
-# the estimator and the planner cache the profiles they have looked up.
+# them instead of the roofline for their (GPU type, model). The estimator and the planner cache
+# what they derive from profiles; each such cache is cleared whenever the registered set
+# changes (profile_caches), so a change holds for the next plan.
 _MEASURED: dict[tuple[str, str], EngineProfile] = {}
+_CACHE_CLEARS: list[Callable[[], None]] = []
+
+
+def profile_caches(*clears: Callable[[], None]) -> None:
+    """Register caches of values derived from :func:`get_profile` (their ``cache_clear``):
+    they are cleared whenever a measured profile is registered or the registered ones are
+    cleared."""
+    _CACHE_CLEARS.extend(clears)
+
+
+def _profiles_changed() -> None:
+    for clear in _CACHE_CLEARS:
+        clear()
 
 
 def register_measured_profile(profile: EngineProfile) -> None:
     """Use ``profile`` for its (GPU type, model) from now on, e.g. a GPU type or a CPU host
     the catalog does not know, or measured hardware instead of the roofline."""
     _MEASURED[(profile.gpu.name, profile.model.name)] = profile
+    _profiles_changed()
 
 
 def clear_measured_profiles() -> None:
     _MEASURED.clear()
+    _profiles_changed()
+
+
+def measured_profiles() -> dict[tuple[str, str], EngineProfile]:
+    """The registered profiles by (GPU type, model): a copy."""
+    return dict(_MEASURED)
 
 
 def get_profile(

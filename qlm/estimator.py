@@ -39,7 +39,12 @@ from typing import Literal, TypeVar
 import numpy as np
 from scipy.special import ndtri
 
-from qlm.engine_model import EngineProfile, InsufficientMemoryError, get_profile
+from qlm.engine_model import (
+    EngineProfile,
+    InsufficientMemoryError,
+    get_profile,
+    profile_caches,
+)
 
 FALLBACK_GPU = "A100-80GB"
 FALLBACK_MODEL = "mistral-7b"
@@ -190,6 +195,10 @@ def hardware_profile(
         kv_bytes_per_token=float(ep.kv_bytes_per_token),
         weight_bytes=float(ep.model.weight_bytes),
     )
+
+
+# a newly registered measured profile holds for the next estimate (engine_model.profile_caches)
+profile_caches(engine_profile.cache_clear, hardware_profile.cache_clear)
 
 
 def bucket_ctx(ctx: float) -> int:

@@ -19,6 +19,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from qlm.engine_model import profile_caches
+
 
 @functools.cache
 def token_rate(gpu_type: str, model: str) -> float:
@@ -30,6 +32,9 @@ def token_rate(gpu_type: str, model: str) -> float:
         return get_profile(gpu_type, model).token_throughput(32, 1024)
     except (KeyError, ValueError):
         return 1.0
+
+
+profile_caches(token_rate.cache_clear)  # a newly registered profile holds for the next plan
 
 
 @dataclass(frozen=True, slots=True)

@@ -83,6 +83,8 @@ class InstanceSpec:
     # measured profiles replacing the roofline one of their model (same GPU type)
     profiles: tuple[EngineProfile, ...] = ()
     max_num_seqs: int | None = None  # the engine's batch cap (vLLM --max-num-seqs) if not default
+    # the engine's per-iteration token budget (vLLM --max-num-batched-tokens) if not default
+    max_num_batched_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -362,6 +364,9 @@ def instance_profiles(
         profiles[m] = cache[key]
     if spec.max_num_seqs is not None:
         profiles = {m: replace(p, max_num_seqs=spec.max_num_seqs) for m, p in profiles.items()}
+    if spec.max_num_batched_tokens is not None:
+        budget = spec.max_num_batched_tokens
+        profiles = {m: replace(p, max_num_batched_tokens=budget) for m, p in profiles.items()}
     return profiles
 
 

@@ -192,7 +192,14 @@ def pools_of(instances: Sequence[InstanceSpec], max_batch: int | None = None) ->
     cap any column runs with, when above the instances' own (a variant's max_num_seqs)."""
     groups: dict[tuple[Any, ...], list[InstanceSpec]] = {}
     for spec in instances:
-        key = (spec.gpu_type, spec.models, spec.tp, spec.profiles, spec.max_num_seqs)
+        key = (
+            spec.gpu_type,
+            spec.models,
+            spec.tp,
+            spec.profiles,
+            spec.max_num_seqs,
+            spec.max_num_batched_tokens,
+        )
         groups.setdefault(key, []).append(spec)
     pools = []
     cache: dict[tuple[str, str, int | None], EngineProfile] = {}

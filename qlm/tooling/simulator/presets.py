@@ -160,6 +160,11 @@ PRESETS: dict[str, Preset] = {
             "fcfs/edf/edf-shed + 5 points; throughput >= vllm and >= 0.97x fcfs",
         ),
         Preset(
+            "wb-512",
+            "wb with a 512-token engine budget: qlm >= every baseline - 1 point where the "
+            "20-s class is mostly feasible",
+        ),
+        Preset(
             "wb-ablation",
             "removing each default LSO lowers attainment or throughput by > 1 sd; adding one "
             "that is off raises neither",

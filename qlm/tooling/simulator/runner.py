@@ -8,7 +8,8 @@ sweep point from the scenario's seed), the same instances and the same engine mo
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -17,6 +18,12 @@ import structlog
 
 from qlm.admission import OutputBudget
 from qlm.chains import LateTaskRule
+from qlm.engine_model import (
+    EngineProfile,
+    clear_measured_profiles,
+    measured_profiles,
+    register_measured_profile,
+)
 from qlm.policy import QueuePolicy
 from qlm.tooling.simulator.cluster import (
     ClusterSimulator,
@@ -160,6 +167,7 @@ def instance_specs(spec: ScenarioSpec) -> list[InstanceSpec]:
                     cpu_memory_bytes=pool.cpu_memory_gb * 1e9,
                     profiles=tuple(load_profile(p) for p in pool.profiles),
                     max_num_seqs=pool.max_num_seqs,
+                    max_num_batched_tokens=pool.max_num_batched_tokens,
                 )
             )
     return out
@@ -225,13 +233,50 @@ def simulate(
             raise ValueError(
                 f"saber_tokens must be 'max_tokens' or 'task_mean', not {variant.saber_tokens!r}"
             )
-    sim = ClusterSimulator(instances, policy, reqs, config, progress=progress)
-    result = sim.run()
+    with engine_settings_known(instances):
+        sim = ClusterSimulator(instances, policy, reqs, config, progress=progress)
+        result = sim.run()
     result.speed_fits = {
         iid: {m: _fit_record(f, config.output_budgets.get(m)) for m, f in per.items()}
         for iid, per in fits.items()
     }
     return result
+
+
+@contextmanager
+def engine_settings_known(instances: Sequence[InstanceSpec]) -> Iterator[None]:
+    """While a run lasts, the planner prices the engines whose pool sets a token budget
+    (``max_num_batched_tokens``) at that budget, not at vLLM's default for the GPU: their
+    profiles are registered as the live coordinator registers measured ones (stored by `qlm
+    profile`). The planner prices a (GPU type, model) once, so every instance of one must run
+    the same budget. The profiles registered before are back afterwards."""
+    chosen: dict[tuple[str, str], int | None] = {}
+    profiles: dict[tuple[str, str], EngineProfile] = {}
+    cache: dict[tuple[str, str, int | None], EngineProfile] = {}
+    for spec in instances:
+        for profile in instance_profiles(spec, cache).values():
+            key = (profile.gpu.name, profile.model.name)
+            budget = spec.max_num_batched_tokens
+            if chosen.setdefault(key, budget) != budget:
+                raise ValueError(
+                    f"{key[1]} on {key[0]}: every pool must run one max_num_batched_tokens "
+                    f"(the planner prices a GPU type and model once), not {chosen[key]} and "
+                    f"{budget}"
+                )
+            if budget is not None:
+                profiles[key] = profile
+    if not profiles:
+        yield
+        return
+    before = measured_profiles()
+    for profile in profiles.values():
+        register_measured_profile(profile)
+    try:
+        yield
+    finally:
+        clear_measured_profiles()
+        for profile in before.values():
+            register_measured_profile(profile)
 
 
 def _fit_record(fit: SpeedFit, budget: OutputBudget | None) -> dict[str, Any]:

@@ -87,6 +87,9 @@ class PoolSpec(_Strict):
     # the engine's cap on running requests (vLLM --max-num-seqs); None: the engine model's
     # default for the GPU (256 on an A100)
     max_num_seqs: int | None = Field(default=None, ge=1)
+    # the engine's per-iteration token budget, which is also its chunked-prefill chunk (vLLM
+    # --max-num-batched-tokens); None: vLLM's default for the GPU (2048 on an A100)
+    max_num_batched_tokens: int | None = Field(default=None, ge=1)
 
     @model_validator(mode="after")
     def _profiles_match(self) -> Self:
