@@ -88,6 +88,12 @@ DISPATCH_MEMORY = 1024  # requests per instance remembered after they left its q
 LOAD_WINDOW_S = 60.0  # the sure work's arrival rate is averaged over about this long
 RECENT_S = 10.0  # ...and whether it still arrives is judged over about this long
 CREDIT_MAX_S = 30.0  # long-shot credit is capped at this many seconds of each instance
+# occupancy_learning: the engines' measured occupancy is averaged over about this long, and
+# counts once this many instance-seconds of busy queues were seen; the scale stays within
+# [1 / OCCUPANCY_SCALE_MAX, OCCUPANCY_SCALE_MAX] of the model's price
+OCCUPANCY_WINDOW_S = 120.0
+OCCUPANCY_MIN_S = 60.0
+OCCUPANCY_SCALE_MAX = 2.0
 # batch caps tried, as shares of the batch a full instance runs (largest first), and the
 # smallest cap ever set: below it the weights' pass dominates an iteration and a smaller
 # batch no longer decodes much faster
@@ -180,6 +186,13 @@ class QLMConfig:
     consolidate_runs: bool = True
     # the sure work's load on an instance at the capped batch, at most (1: all of it)
     cap_load_max: float = 1.0
+    # Long-shot credit in the engines' measured occupancy: the sure work's rate and each long
+    # shot's charge are scaled by (instance-seconds of queues that stayed busy between two
+    # plans) / (the priced occupancy of what left them meanwhile), so a price that is off
+    # (prompts prefilled under a decode batch cost less than a standalone prefill) does not
+    # starve or flood the long shots. Off: measured on wb and wb-512, not yet adopted
+    # (docs/benchmarks.md, wb-512)
+    occupancy_learning: bool = False
     # a cap costs throughput: at least this share of the full batch's is kept. Lower it to
     # trade throughput for latency-bound requests met (docs/planner.md, "Batch caps")
     cap_throughput_min: float = 0.98
@@ -484,6 +497,14 @@ class QLMPolicy(QueuePolicy):
         # (arrival time, SLO s) of sure arrivals, SLOs increasing: the window's minimum first
         self._sure_slos: deque[tuple[float, float]] = deque()
         self._shots: set[str] = set()  # long shots admitted, still queued
+        # occupancy_learning: priced occupancy that left each instance's queue since the last
+        # plan, the instances whose queues held work at it, and the decayed sums (busy
+        # instance-seconds, priced occupancy that left busy queues) the scale is read from
+        self._occ_left: dict[str, list[float]] = {}  # iid -> [requests, priced occupancy]
+        self._busy: dict[str, int] = {}  # iid -> requests in its engine at the last plan
+        self._occ_at: float | None = None
+        self._occ_busy_s = 0.0
+        self._occ_priced_s = 0.0
         # _lengths_of's answers while the length model stays at one version (place() asks
         # for every arrival; a per-group fit answers the same between completions)
         self._lengths_seen: dict[tuple[str, str | None, int], tuple[float, float, float]] = {}
@@ -733,9 +754,10 @@ class QLMPolicy(QueuePolicy):
             elif (
                 not infeasible
                 and due >= now
-                and self._credit - occ >= -self._borrow_s() * len(eligible)
+                and self._credit - occ * self._occupancy_scale()
+                >= -self._borrow_s() * len(eligible)
             ):
-                self._credit -= occ
+                self._credit -= occ * self._occupancy_scale()
                 self._shots.add(request.request_id)
             elif due >= now:
                 due, infeasible = now - 1.0, True  # no spare capacity: hopeless for now
@@ -783,9 +805,43 @@ class QLMPolicy(QueuePolicy):
                 sums[2] *= recent
         # demand above capacity drains the credit: what spare capacity was saved up is spent
         # by the backlog of sure work, not left for long shots
-        spare = n_inst - self._sure_rate()
+        spare = n_inst - self._occupancy_scale() * self._sure_rate()
         floor = -self._borrow_s() * n_inst  # what long shots may owe
         self._credit = min(max(self._credit + spare * dt, floor), CREDIT_MAX_S * n_inst)
+
+    def _learn_occupancy(self, now: float, instances: Sequence[PlanInstance]) -> None:
+        """Add the time since the last plan of every instance whose queue held work then and
+        holds work now (its engine took work as fast as it served it), and the priced
+        occupancy of what its engine finished meanwhile: what left the queue, less what the
+        engine holds more than at the last plan (an engine filling its batch takes work
+        faster than it serves it), at the mean price of what left. Older sums decay over
+        OCCUPANCY_WINDOW_S."""
+        queued = {entry[0] for entry in self._seen.values()}
+        running = {i.instance_id: i.running for i in instances if i.instance_id in queued}
+        if self._occ_at is not None and now > self._occ_at:
+            dt = now - self._occ_at
+            decay = math.exp(-dt / OCCUPANCY_WINDOW_S)
+            self._occ_busy_s *= decay
+            self._occ_priced_s *= decay
+            for iid, held in running.items():
+                before = self._busy.get(iid)
+                if before is None:
+                    continue
+                n, priced = self._occ_left.get(iid, (0.0, 0.0))
+                finished = n - (held - before)
+                self._occ_busy_s += dt
+                if n > 0 and finished > 0:
+                    self._occ_priced_s += priced * finished / n
+        self._occ_left.clear()
+        self._busy = running
+        self._occ_at = now
+
+    def _occupancy_scale(self) -> float:
+        """Measured over priced occupancy (1 until enough busy time was seen)."""
+        if self._occ_busy_s < OCCUPANCY_MIN_S or self._occ_priced_s <= 0.0:
+            return 1.0
+        scale = self._occ_busy_s / self._occ_priced_s
+        return min(max(scale, 1.0 / OCCUPANCY_SCALE_MAX), OCCUPANCY_SCALE_MAX)
 
     def _sure_rate(self) -> float:
         """Instances' worth of capacity the sure work needs: its occupancy's arrival rate over
@@ -829,6 +885,12 @@ class QLMPolicy(QueuePolicy):
     def _note_left(self, rid: str, now: float) -> None:
         """``rid`` left its queue between when it was last seen there and ``now``."""
         iid, model, out, seen, prompt = self._seen.pop(rid)
+        if self.config.occupancy_learning:
+            rate = self._rates.get((iid, model))
+            if rate is not None:
+                sums = self._occ_left.setdefault(iid, [0.0, 0.0])
+                sums[0] += 1.0
+                sums[1] += prompt * rate.inv_prefill_tps + out * rate.inv_tps
         left = self._left.get(iid)
         if left is None:
             left = self._left[iid] = deque(maxlen=DISPATCH_MEMORY)
@@ -928,6 +990,8 @@ class QLMPolicy(QueuePolicy):
         self._shots &= queued
         for rid in [rid for rid in self._seen if rid not in queued]:
             self._note_left(rid, now)
+        if self.config.occupancy_learning:
+            self._learn_occupancy(now, instances)
         self._seen_max = max(ARRIVAL_KEYS_MAX, 2 * len(reqs))
         insts = sorted(instances, key=lambda i: i.instance_id)
         live = [i for i in insts if not i.draining]

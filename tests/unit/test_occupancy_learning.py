@@ -1,0 +1,62 @@
+"""qlm's long-shot credit in measured occupancy (``QLMConfig.occupancy_learning``): the scale is
+the busy queues' time over the priced occupancy of what their engines finished between plans."""
+
+from __future__ import annotations
+
+import pytest
+
+from qlm.planner import create_policy
+from qlm.planner.stochastic import OCCUPANCY_MIN_S, QLMPolicy
+from qlm.policy import PlanInstance, PlanRequest
+
+MODEL = "mistral-7b"
+
+
+def _queue(n: int) -> list[PlanRequest]:
+    return [
+        PlanRequest(f"r{k}", MODEL, 500, 1024, 0.0, 1e6, None, seq=k, slo_class="batch")
+        for k in range(n)
+    ]
+
+
+def _engine(running: int) -> PlanInstance:
+    return PlanInstance(
+        "i0", (MODEL,), "A100-80GB", 400_000, 256, active_model=MODEL, running=running
+    )
+
+
+def _scale_after(finished_per_plan: int, plans: int, *, fill: int = 0) -> float:
+    """Plans 10 s apart; between two, ``finished_per_plan`` requests leave the queue and the
+    engine holds ``fill`` more than before (so it finished that many fewer)."""
+    policy = create_policy("qlm", budget_clock="work", occupancy_learning=True)
+    assert isinstance(policy, QLMPolicy)
+    queue = _queue(3_000)
+    held = 100
+    policy.plan(queue, [_engine(held)], 0.0)
+    gone = 0
+    for step in range(1, plans + 1):
+        gone += finished_per_plan + fill
+        held += fill
+        policy.plan(queue[gone:], [_engine(held)], 10.0 * step)
+    return policy._occupancy_scale()
+
+
+def test_no_scale_before_enough_busy_time() -> None:
+    assert OCCUPANCY_MIN_S == 60.0
+    assert _scale_after(50, 5) == 1.0  # 50 s of busy queue
+
+
+def test_an_engine_serving_twice_as_fast_halves_the_scale() -> None:
+    slow, fast = _scale_after(50, 12), _scale_after(100, 12)
+    assert 0.5 < fast < slow < 2.0
+    assert slow / fast == pytest.approx(2.0, rel=0.02)
+
+
+def test_work_an_engine_takes_into_its_batch_is_not_counted_as_served() -> None:
+    # here 20 more leave per plan, only to fill the engine's batch
+    assert _scale_after(60, 12, fill=20) == pytest.approx(_scale_after(60, 12), rel=0.02)
+
+
+def test_off_by_default() -> None:
+    policy = create_policy("qlm")
+    assert isinstance(policy, QLMPolicy) and not policy.config.occupancy_learning
