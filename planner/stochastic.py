@@ -186,12 +186,13 @@ class QLMConfig:
     consolidate_runs: bool = True
     # the sure work's load on an instance at the capped batch, at most (1: all of it)
     cap_load_max: float = 1.0
-    # Long-shot credit in the engines' measured occupancy: the sure work's rate and each long
-    # shot's charge are scaled by (instance-seconds of queues that stayed busy between two
-    # plans) / (the priced occupancy of what left them meanwhile), so a price that is off
-    # (prompts prefilled under a decode batch cost less than a standalone prefill) does not
-    # starve or flood the long shots. Off: measured on wb and wb-512, not yet adopted
-    # (docs/benchmarks.md, wb-512)
+    # The sure work's rate in the engines' measured occupancy: scaled by (instance-seconds of
+    # queues that stayed busy between two plans) / (the priced occupancy of what their engines
+    # finished meanwhile), so a price that is off (prompts prefilled beside a decode batch cost
+    # less than a standalone prefill) does not leave long shots less capacity, or more, than
+    # the sure work leaves. A long shot is still charged its price: a cheaper charge let too
+    # many in where nearly all work is long shots (trace). Off: measured, not yet adopted
+    # (docs/planner.md, "Long shots")
     occupancy_learning: bool = False
     # a cap costs throughput: at least this share of the full batch's is kept. Lower it to
     # trade throughput for latency-bound requests met (docs/planner.md, "Batch caps")
@@ -754,10 +755,9 @@ class QLMPolicy(QueuePolicy):
             elif (
                 not infeasible
                 and due >= now
-                and self._credit - occ * self._occupancy_scale()
-                >= -self._borrow_s() * len(eligible)
+                and self._credit - occ >= -self._borrow_s() * len(eligible)
             ):
-                self._credit -= occ * self._occupancy_scale()
+                self._credit -= occ
                 self._shots.add(request.request_id)
             elif due >= now:
                 due, infeasible = now - 1.0, True  # no spare capacity: hopeless for now
