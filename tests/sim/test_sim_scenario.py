@@ -77,6 +77,23 @@ BAD: list[tuple[str, Callable[[dict[str, Any]], None], str]] = [
     ("pools.0.gpu", _set("pools.0.gpu", "Z9000"), "unknown GPU type 'Z9000'; known: ['A10'"),
     ("pools.0.count", _set("pools.0.count", -1), "greater than or equal to 0"),
     ("pools", _set("pools.0.count", 0), "at least one instance"),
+    (
+        "pools.1.max_num_batched_tokens",
+        _set(
+            "pools",
+            [
+                {"gpu": "A100-80GB", "count": 1, "models": ["mistral-7b"], "name": "a"},
+                {
+                    "gpu": "A100-80GB",
+                    "count": 1,
+                    "models": ["mistral-7b"],
+                    "name": "b",
+                    "max_num_batched_tokens": 512,
+                },
+            ],
+        ),
+        "'mistral-7b' on A100-80GB runs None in pools.0: pools serving one model",
+    ),
     ("pools", _set("pools", []), "at least 1 item"),
     ("pools.0.models", _set("pools.0.models", []), "at least 1 item"),
     ("pools.0.models.1", _set("pools.0.models.1", "gpt-5"), "unknown model 'gpt-5'; known"),

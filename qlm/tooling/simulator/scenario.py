@@ -496,6 +496,9 @@ class ScenarioSpec(_Strict):
 
     def _check_pools(self) -> None:
         seen: dict[str, int] = {}
+        # (GPU type, model) -> (the first pool serving it, its token budget): the planner
+        # prices a GPU type and model once (runner.engine_settings_known)
+        budgets: dict[tuple[str, str], tuple[int, int | None]] = {}
         for i, pool in enumerate(self.pools):
             prefix = pool.instance_prefix
             if prefix in seen:
@@ -511,6 +514,16 @@ class ScenarioSpec(_Strict):
                 if problem is not None:
                     raise _field_error(
                         f"pools.{i}", f"model {name!r} does not fit on {pool.gpu}: {problem}"
+                    )
+                first, budget = budgets.setdefault(
+                    (pool.gpu, name), (i, pool.max_num_batched_tokens)
+                )
+                if budget != pool.max_num_batched_tokens:
+                    raise _field_error(
+                        f"pools.{i}.max_num_batched_tokens",
+                        f"{name!r} on {pool.gpu} runs {budget} in pools.{first}: pools serving "
+                        "one model on one GPU type share a token budget (the planner prices "
+                        "it once)",
                     )
         if sum(pool.count for pool in self.pools) < 1:
             raise _field_error("pools", "the scenario needs at least one instance (count >= 1)")
