@@ -70,15 +70,24 @@ def _labels(summary: Mapping[str, Any]) -> list[str]:
     return [str(v) for v in sweep.get("values", [])]
 
 
+def _points(summary: Mapping[str, Any], labels: Sequence[str]) -> list[int | None]:
+    """The indices of the sweep's points, or [None] for a run without a sweep."""
+    return list(range(len(labels))) if summary.get("sweep") else [None]
+
+
+def _baselines(policies: Mapping[str, Any]) -> list[str]:
+    """Every column but qlm and its own variants (qlm-gate: qlm with a setting)."""
+    return [p for p in policies if p != QLM and not p.startswith(QLM + "-")]
+
+
 def glance_row(summary: Mapping[str, Any]) -> GlanceRow:
     policies: Mapping[str, Any] = summary.get("policies", {})
     labels = _labels(summary)
-    points: list[int | None] = list(range(len(labels))) if summary.get("sweep") else [None]
+    points = _points(summary, labels)
     seeds = len(summary.get("seeds") or [summary.get("seed", 0)])
     own_checks = list(summary.get("checks", []))
     own_ok = all(bool(c.get("met")) for c in own_checks)
-    # baselines: every other column but qlm's own variants (qlm-gate: qlm with a setting)
-    others = [p for p in policies if p != QLM and not p.startswith(QLM + "-")]
+    others = _baselines(policies)
     bound_series = (summary.get(HINDSIGHT) or {}).get("slo_attainment")
     if QLM not in policies or not others:
         met = own_ok
@@ -209,7 +218,7 @@ def attainment_markdown(summary: Mapping[str, Any]) -> str:
     seeds = len(summary.get("seeds") or [summary.get("seed", 0)])
     hindsight = summary.get(HINDSIGHT) or {}
     labels = _labels(summary)
-    points: list[int | None] = list(range(len(labels))) if summary.get("sweep") else [None]
+    points = _points(summary, labels)
     label = (summary.get("sweep") or {}).get("label") or "point"
     head = f"| {label} | " + " | ".join(names) + (" | bound |" if hindsight else " |")
     rule = "|---|" + "---:|" * (len(names) + (1 if hindsight else 0))
@@ -336,11 +345,11 @@ def bound_gap_markdown(summaries: Mapping[str, Mapping[str, Any]]) -> str:
     for name, summary in summaries.items():
         policies: Mapping[str, Any] = summary.get("policies", {})
         bound_series = (summary.get(HINDSIGHT) or {}).get("slo_attainment")
-        others = [p for p in policies if p != QLM and not p.startswith(QLM + "-")]
+        others = _baselines(policies)
         if QLM not in policies or not others or bound_series is None:
             continue  # ablations compare qlm with itself, as in the glance
         labels = _labels(summary)
-        points: list[int | None] = list(range(len(labels))) if summary.get("sweep") else [None]
+        points = _points(summary, labels)
         gaps: list[tuple[float, int | None]] = []
         for k in points:
             q, b = _pct(_at(policies[QLM].get("slo_attainment"), k)), _pct(_at(bound_series, k))
