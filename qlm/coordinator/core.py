@@ -176,6 +176,10 @@ class DispatchOrder:
     instance_id: str
     agent_id: str
     dispatch_id: str
+    # the registration it was counted against (a lost instance that registers again is a new
+    # InstanceState, whose count starts from its agent's), and whether it was taken back
+    counted_on: InstanceState | None = field(default=None, repr=False, compare=False)
+    undone: bool = False
 
 
 @dataclass(frozen=True)
@@ -845,7 +849,11 @@ class CoordinatorCore:
                 inst.running[rid] = tracked.dispatch_id
                 orders.append(
                     DispatchOrder(
-                        tracked, inst.instance_id, inst.info.agent_id, tracked.dispatch_id
+                        tracked,
+                        inst.instance_id,
+                        inst.info.agent_id,
+                        tracked.dispatch_id,
+                        counted_on=inst,
                     )
                 )
         return orders
@@ -863,23 +871,34 @@ class CoordinatorCore:
 
         return restale
 
-    def undo_dispatch(self, request_id: str, dispatch_id: str, now: float) -> bool:
+    def undo_dispatch(self, order: DispatchOrder, now: float) -> bool:
         """A dispatch this coordinator failed to publish (its own channel or connection, not
-        the agent): the request goes back to a queue and the instance gets its credit back.
-        False when the request has moved on meanwhile (a result, a requeue). Credit is
-        reconciled from the agent's next heartbeat if the dispatch did arrive after all."""
-        tracked = self.requests.get(request_id)
+        the agent): the instance gets its credit back, and the request goes back to a queue.
+        The credit comes back even when the request has moved on meanwhile (an earlier
+        attempt's result answered it, a requeue): the agent never saw this dispatch, so it
+        still counts that credit as granted and the dispatch as not received. Keeping both
+        would leave the agent's credit owed and the dispatch "in transit" forever; once an
+        engine's whole want is owed that way its agent stops pulling and the requests queued
+        for it wait indefinitely (seen after a broker leader's kill: eight such failures per
+        instance). If the dispatch did arrive after all, the agent's next heartbeat reconciles
+        the credit. Returns whether the request was requeued; undoing twice does nothing."""
+        if order.undone:
+            return False
+        order.undone = True
+        inst = order.counted_on
+        if inst is not None and self.instances.get(inst.instance_id) is inst:
+            inst.credit += 1
+            inst.dispatches_sent -= 1
+        tracked = self.requests.get(order.tracked.request_id)
         if (
             tracked is None
             or tracked.state != TrackState.DISPATCHED
-            or tracked.dispatch_id != dispatch_id
+            or tracked.dispatch_id != order.dispatch_id
         ):
             return False
-        inst = self.instances.get(tracked.instance_id or "")
-        if inst is not None:
-            inst.running.pop(request_id, None)
-            inst.credit += 1
-            inst.dispatches_sent -= 1
+        current = self.instances.get(tracked.instance_id or "")
+        if current is not None:
+            current.running.pop(tracked.request_id, None)
         tracked.attempts -= 1
         tracked.dispatched_at = None
         self._place(tracked, now)

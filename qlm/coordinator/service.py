@@ -727,7 +727,7 @@ class Coordinator:
                 instance_id=order.instance_id,
                 error=repr(exc)[:200],
             )
-            if self.core.undo_dispatch(t.request_id, order.dispatch_id, time.time()):
+            if self.core.undo_dispatch(order, time.time()):
                 self.metrics.observe_requeue("dispatch_failed")
                 self._spawn(self._pump_after(DISPATCH_RETRY_S))
             return

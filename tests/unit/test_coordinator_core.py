@@ -570,14 +570,57 @@ def test_a_dispatch_this_side_failed_to_publish_goes_back_and_keeps_the_instance
     t, order = _dispatched(core)
     inst = core.instances[order.instance_id]
     assert inst.credit == 0 and t.attempts == 1
-    assert core.undo_dispatch(t.request_id, order.dispatch_id, 1.0)
+    assert core.undo_dispatch(order, 1.0)
     assert t.state == TrackState.QUEUED and inst.status == "alive"
     assert inst.credit == 1 and t.attempts == 0 and t.request_id not in inst.running
     [again] = core.next_dispatches(1.0)  # dispatched again, with the credit it got back
     assert again.tracked is t and again.dispatch_id != order.dispatch_id
-    # a stale undo (the request moved on) changes nothing
-    assert not core.undo_dispatch(t.request_id, order.dispatch_id, 2.0)
-    assert t.state == TrackState.DISPATCHED
+    # undoing the same order again changes nothing
+    assert not core.undo_dispatch(order, 2.0)
+    assert t.state == TrackState.DISPATCHED and inst.credit == 0
+
+
+def test_a_failed_dispatch_returns_its_credit_even_when_its_request_was_answered_meanwhile() -> (
+    None
+):
+    """After a broker leader's kill: a request requeued from an agent that reconnected is sent
+    to it again, the publish fails on the coordinator's broken channel, and meanwhile the
+    first attempt's result answers it. The agent never saw the dispatch, so its credit is
+    still granted and the dispatch not received; the coordinator must hold that credit again.
+    Before the fix eight such failures per instance (the engine's whole want) left both
+    engines of an agent owed eight credits, never pulling again, two requests queued for them
+    unanswered for minutes."""
+    core = core_with({})
+    core.on_heartbeat(_hb(0, 0), now=0.0)
+    first = admit(core, request_id="first")
+    core.on_pull("a-gpu0", 1)
+    [order] = core.next_dispatches(0.0)
+    assert core.accept_result(first.request_id, "an-earlier-attempt") is first
+    core.finish(first.request_id)
+    assert not core.undo_dispatch(order, 0.5)  # nothing to requeue...
+    inst = core.instances["a-gpu0"]
+    assert inst.credit == 1 and inst.dispatches_sent == 0  # ... but the credit is back
+    # the agent agrees (1 owed, none received): nothing to reconcile, and the next request
+    # goes out
+    core.on_heartbeat(_hb(1, 0), now=1.0)
+    admit(core, request_id="next")
+    [again] = core.next_dispatches(1.0)
+    assert again.tracked.request_id == "next"
+
+
+def test_a_failed_dispatch_to_an_instance_registered_again_leaves_the_new_count_alone() -> None:
+    core = core_with({})
+    core.on_heartbeat(_hb(0, 0), now=0.0)
+    admit(core)
+    core.on_pull("a-gpu0", 1)
+    [order] = core.next_dispatches(0.0)
+    core.lose_instance("a-gpu0", "goodbye", 0.1)  # the agent reconnected: a new session
+    core.on_heartbeat(_hb(1, 0), now=0.2)  # it registers again, owing the same credit
+    fresh = core.instances["a-gpu0"]
+    assert fresh is not order.counted_on and fresh.credit == 1
+    core.next_dispatches(0.2)  # the requeued request goes to it
+    core.undo_dispatch(order, 0.3)  # the old session's publish fails only now
+    assert fresh.credit == 0 and fresh.dispatches_sent == 1
 
 
 class _CountingEDF(EDFPolicy):
