@@ -190,10 +190,14 @@ class QLMConfig:
     # queues that stayed busy between two plans) / (the priced occupancy of what their engines
     # finished meanwhile), so a price that is off (prompts prefilled beside a decode batch cost
     # less than a standalone prefill) does not leave long shots less capacity, or more, than
-    # the sure work leaves. A long shot is still charged its price: a cheaper charge let too
-    # many in where nearly all work is long shots (trace). Off: measured, not yet adopted
-    # (docs/planner.md, "Long shots")
-    occupancy_learning: bool = False
+    # the sure work leaves. False: the price as modelled (docs/planner.md, "Long shots")
+    occupancy_learning: bool = True
+    # With occupancy_learning, a long shot's charge moves from its price towards the measured
+    # scale by the sure work's share of the occupancy that arrived lately. Sure work with
+    # slack absorbs a long shot that costs more than charged; where nearly all work is long
+    # shots nothing does, and the price's margin keeps them from crowding each other out
+    # (charged at the scale itself, trace x3 lost 6 points). False: charged their price
+    long_shot_measured_charge: bool = True
     # a cap costs throughput: at least this share of the full batch's is kept. Lower it to
     # trade throughput for latency-bound requests met (docs/planner.md, "Batch caps")
     cap_throughput_min: float = 0.98
@@ -498,6 +502,9 @@ class QLMPolicy(QueuePolicy):
         # (arrival time, SLO s) of sure arrivals, SLOs increasing: the window's minimum first
         self._sure_slos: deque[tuple[float, float]] = deque()
         self._shots: set[str] = set()  # long shots admitted, still queued
+        # long shots' priced occupancy that arrived, decayed over LOAD_WINDOW_S (the sure
+        # work's share of what arrived weighs a long shot's charge)
+        self._shot_load = 0.0
         # occupancy_learning: priced occupancy that left each instance's queue since the last
         # plan, the instances whose queues held work at it, and the decayed sums (busy
         # instance-seconds, priced occupancy that left busy queues) the scale is read from
@@ -752,15 +759,18 @@ class QLMPolicy(QueuePolicy):
                 sums[2] += occ
                 if slo is not None:
                     self._note_sure_slo(now, slo)
-            elif (
-                not infeasible
-                and due >= now
-                and self._credit - occ >= -self._borrow_s() * len(eligible)
-            ):
-                self._credit -= occ
-                self._shots.add(request.request_id)
-            elif due >= now:
-                due, infeasible = now - 1.0, True  # no spare capacity: hopeless for now
+            else:
+                self._shot_load += occ
+                charge = occ * self._shot_charge_scale()
+                if (
+                    not infeasible
+                    and due >= now
+                    and self._credit - charge >= -self._borrow_s() * len(eligible)
+                ):
+                    self._credit -= charge
+                    self._shots.add(request.request_id)
+                elif due >= now:
+                    due, infeasible = now - 1.0, True  # no spare capacity: hopeless for now
         iid = inst.instance_id
         lane = self._lanes[iid]
         lane.placed += tokens
@@ -799,6 +809,7 @@ class QLMPolicy(QueuePolicy):
         self._load_at = now
         if dt > 0.0:
             fast, recent = math.exp(-dt / LOAD_WINDOW_S), math.exp(-dt / RECENT_S)
+            self._shot_load *= fast
             for spread, sums in self._sure_load.items():
                 sums[0] *= fast
                 sums[1] *= math.exp(-dt / spread)
@@ -835,6 +846,19 @@ class QLMPolicy(QueuePolicy):
         self._occ_left.clear()
         self._busy = running
         self._occ_at = now
+
+    def _shot_charge_scale(self) -> float:
+        """A long shot's charge over its price: 1 moved towards the occupancy scale by the sure
+        work's share of the priced occupancy that arrived over about LOAD_WINDOW_S
+        (``long_shot_measured_charge``)."""
+        if not self.config.long_shot_measured_charge:
+            return 1.0
+        scale = self._occupancy_scale()
+        if scale == 1.0:
+            return 1.0
+        sure = sum(sums[0] for sums in self._sure_load.values())
+        total = sure + self._shot_load
+        return 1.0 if total <= 0.0 else 1.0 + sure / total * (scale - 1.0)
 
     def _occupancy_scale(self) -> float:
         """Measured over priced occupancy (1 until enough busy time was seen)."""

@@ -57,6 +57,8 @@ def test_work_an_engine_takes_into_its_batch_is_not_counted_as_served() -> None:
     assert _scale_after(60, 12, fill=20) == pytest.approx(_scale_after(60, 12), rel=0.02)
 
 
-def test_off_by_default() -> None:
+def test_on_by_default_and_can_be_turned_off() -> None:
     policy = create_policy("qlm")
-    assert isinstance(policy, QLMPolicy) and not policy.config.occupancy_learning
+    assert isinstance(policy, QLMPolicy) and policy.config.occupancy_learning
+    off = create_policy("qlm", occupancy_learning=False)
+    assert isinstance(off, QLMPolicy) and not off.config.occupancy_learning
