@@ -62,3 +62,30 @@ def test_on_by_default_and_can_be_turned_off() -> None:
     assert isinstance(policy, QLMPolicy) and policy.config.occupancy_learning
     off = create_policy("qlm", occupancy_learning=False)
     assert isinstance(off, QLMPolicy) and not off.config.occupancy_learning
+
+
+def _charged(sure: float, shots: float, *, measured: bool = True) -> float:
+    """A long shot's charge over its price with the engines measured at 3/4 of the price and
+    ``sure`` / ``shots`` priced seconds of each kind arrived lately."""
+    policy = create_policy("qlm", long_shot_measured_charge=measured)
+    assert isinstance(policy, QLMPolicy)
+    policy._occ_busy_s, policy._occ_priced_s = 90.0, 120.0
+    assert policy._occupancy_scale() == pytest.approx(0.75)
+    policy._sure_load = {60.0: [sure, sure, sure]}
+    policy._shot_load = shots
+    return policy._shot_charge_scale()
+
+
+def test_a_long_shot_is_charged_the_measured_scale_by_the_sure_work_share() -> None:
+    assert _charged(0.0, 50.0) == 1.0  # only long shots: the price keeps its margin
+    assert _charged(50.0, 0.0) == pytest.approx(0.75)  # sure work absorbs what is off
+    assert _charged(30.0, 10.0) == pytest.approx(1.0 - 0.75 * 0.25)
+    assert _charged(0.0, 0.0) == 1.0
+    assert _charged(30.0, 10.0, measured=False) == 1.0
+
+
+def test_a_long_shot_charge_without_a_measured_scale_is_its_price() -> None:
+    policy = create_policy("qlm")
+    assert isinstance(policy, QLMPolicy)
+    policy._sure_load = {60.0: [30.0, 30.0, 30.0]}
+    assert policy._shot_charge_scale() == 1.0  # nothing measured yet
