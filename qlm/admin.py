@@ -125,6 +125,17 @@ class InstanceInfo(_Open):
     kv_used_tokens: int
     kv_capacity_tokens: int
     last_seen: float = Field(description="unix seconds of the last heartbeat")
+    credit: int = Field(
+        0, description="dispatches the coordinator may send now (credit the agent pulled)"
+    )
+    credit_outstanding: int | None = Field(
+        None,
+        description="credit the agent counts as granted and unused (its last heartbeat); with "
+        "`dispatches_in_transit`, what `credit` is reconciled against",
+    )
+    dispatches_in_transit: int | None = Field(
+        None, description="dispatches sent that the agent had not received at its last heartbeat"
+    )
 
 
 class QueuedRequest(_Open):

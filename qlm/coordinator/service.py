@@ -1517,6 +1517,15 @@ class Coordinator:
                     "kv_used_tokens": st.kv_used_tokens if st else 0,
                     "kv_capacity_tokens": inst.info.kv_capacity_tokens,
                     "last_seen": inst.last_seen,
+                    # the pull protocol's state: a credit held at 0 while the agent says it
+                    # granted some is a stall (docs/reliability.md)
+                    "credit": inst.credit,
+                    "credit_outstanding": st.credit_outstanding if st else None,
+                    "dispatches_in_transit": (
+                        inst.dispatches_sent - st.dispatches_received
+                        if st is not None and st.dispatches_received is not None
+                        else None
+                    ),
                     # what the engine can do for the LSOs, and why something is off
                     "capabilities": dict(inst.info.capabilities),
                     "capability_notes": list(inst.info.capability_notes),

@@ -225,6 +225,7 @@ async def _stall_notes(load: ChaosLoad, admin_url: str, token: str, sample: int 
     if not missing:
         return []
     seen: Counter[str] = Counter()
+    on: set[str] = set()  # instances the sample waits on
     async with httpx.AsyncClient(
         base_url=admin_url, headers={"Authorization": f"Bearer {token}"}, timeout=5
     ) as http:
@@ -243,8 +244,32 @@ async def _stall_notes(load: ChaosLoad, admin_url: str, token: str, sample: int 
                 seen[f"not tracked (HTTP {resp.status_code})"] += 1
             else:
                 seen[f"{live.get('state')} on {live.get('instance_id')}"] += 1
+                if live.get("instance_id"):
+                    on.add(live["instance_id"])
+        credit = await _credit_of(http, on)
     where = ", ".join(f"{k}: {v}" for k, v in seen.most_common())
-    return [f"{len(missing)} unanswered; the coordinator's view of {sum(seen.values())}: {where}"]
+    notes = [f"{len(missing)} unanswered; the coordinator's view of {sum(seen.values())}: {where}"]
+    return notes + ([credit] if credit else [])
+
+
+async def _credit_of(http: httpx.AsyncClient, instance_ids: set[str]) -> str | None:
+    """The pull protocol's state of those instances (admin API): credit held, the agent's
+    outstanding credit and the dispatches in transit. Held 0 against owed = in transit is a
+    credit leak (docs/reliability.md)."""
+    if not instance_ids:
+        return None
+    try:
+        resp = await http.get("/v1/instances")
+        rows = resp.json() if resp.status_code == 200 else []
+    except (httpx.HTTPError, ValueError) as exc:
+        return f"instances: admin API error {type(exc).__name__}"
+    parts = [
+        f"{r.get('instance_id')} held {r.get('credit')} / agent owed "
+        f"{r.get('credit_outstanding')} / in transit {r.get('dispatches_in_transit')}"
+        for r in rows
+        if isinstance(r, dict) and r.get("instance_id") in instance_ids
+    ]
+    return "credit of those instances: " + "; ".join(sorted(parts)) if parts else None
 
 
 def _result(
