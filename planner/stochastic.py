@@ -90,10 +90,13 @@ RECENT_S = 10.0  # ...and whether it still arrives is judged over about this lon
 CREDIT_MAX_S = 30.0  # long-shot credit is capped at this many seconds of each instance
 # occupancy_learning: the engines' measured occupancy is averaged over about this long, and
 # counts once this many instance-seconds of busy queues were seen; the scale stays within
-# [1 / OCCUPANCY_SCALE_MAX, OCCUPANCY_SCALE_MAX] of the model's price
+# [OCCUPANCY_SCALE_MIN, 1] of the model's price: only a discount is learnt. Busy queues also
+# count time the sure work's price leaves out on purpose (model loads, which the plan prices
+# as switches; engines short of KV for their batch): on hetero the ratio read 1.3-2.5, and
+# charging the sure work that much cost 2.5 points where long shots still paid off
 OCCUPANCY_WINDOW_S = 120.0
 OCCUPANCY_MIN_S = 60.0
-OCCUPANCY_SCALE_MAX = 2.0
+OCCUPANCY_SCALE_MIN = 0.5
 # batch caps tried, as shares of the batch a full instance runs (largest first), and the
 # smallest cap ever set: below it the weights' pass dominates an iteration and a smaller
 # batch no longer decodes much faster
@@ -865,7 +868,7 @@ class QLMPolicy(QueuePolicy):
         if self._occ_busy_s < OCCUPANCY_MIN_S or self._occ_priced_s <= 0.0:
             return 1.0
         scale = self._occ_busy_s / self._occ_priced_s
-        return min(max(scale, 1.0 / OCCUPANCY_SCALE_MAX), OCCUPANCY_SCALE_MAX)
+        return min(max(scale, OCCUPANCY_SCALE_MIN), 1.0)
 
     def _sure_rate(self) -> float:
         """Instances' worth of capacity the sure work needs: its occupancy's arrival rate over
