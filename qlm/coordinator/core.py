@@ -132,6 +132,13 @@ class InstanceState:
     def instance_id(self) -> str:
         return self.info.instance_id
 
+    def in_transit(self, status: InstanceStatus) -> int | None:
+        """Dispatches sent here that the agent had not received as of ``status`` (None where
+        the agent does not report what it received)."""
+        if status.dispatches_received is None:
+            return None
+        return self.dispatches_sent - status.dispatches_received
+
     def plan_view(self) -> PlanInstance:
         # the objects themselves (not their ids, which a later object may reuse), compared
         # field by field: this runs once per instance per arrival
@@ -770,11 +777,11 @@ class CoordinatorCore:
         transit when this heartbeat is handled; dispatches sent but not yet received are.
         What this coordinator should hold is therefore the agent's outstanding credit less
         those dispatches in transit."""
-        if status.dispatches_received is None:
+        in_transit = inst.in_transit(status)
+        if in_transit is None:
             return
-        in_transit = inst.dispatches_sent - status.dispatches_received
         if in_transit < 0:  # the agent restarted and counts from 0 again
-            inst.dispatches_sent = status.dispatches_received
+            inst.dispatches_sent -= in_transit  # now the agent's count
             in_transit = 0
         expected = max(0, status.credit_outstanding - in_transit)
         if expected != inst.credit:

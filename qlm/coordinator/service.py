@@ -1521,11 +1521,7 @@ class Coordinator:
                     # granted some is a stall (docs/reliability.md)
                     "credit": inst.credit,
                     "credit_outstanding": st.credit_outstanding if st else None,
-                    "dispatches_in_transit": (
-                        inst.dispatches_sent - st.dispatches_received
-                        if st is not None and st.dispatches_received is not None
-                        else None
-                    ),
+                    "dispatches_in_transit": inst.in_transit(st) if st else None,
                     # what the engine can do for the LSOs, and why something is off
                     "capabilities": dict(inst.info.capabilities),
                     "capability_notes": list(inst.info.capability_notes),
