@@ -177,6 +177,10 @@ class QLMConfig:
     # among the sure arrivals of the last LOAD_WINDOW_S, per instance: work with minutes of
     # slack (a batch class) lends minutes, work with seconds lends seconds. 0: spare only
     long_shot_borrow: float = 0.5
+    # The fraction instead while the sure work's measured load is below the capacity (its own
+    # queue does not grow, so its slack is not eaten by its own backlog and more of it can be
+    # lent). None: long_shot_borrow always (docs/planner.md, "Long shots")
+    long_shot_borrow_stable: float | None = 0.75
     # Batch caps (the LSO InstanceLSO.max_in_engine): where an instance's queue holds work
     # whose decode at the full batch takes much of its SLO, the smallest batch at which the
     # sure work still keeps up (its arrival rate and the backlog's deadlines), so that the
@@ -214,6 +218,8 @@ class QLMConfig:
             raise ValueError("long_shot_quantile must be in (0, 1)")
         if not 0 <= self.long_shot_borrow <= 1:
             raise ValueError("long_shot_borrow must be in [0, 1]")
+        if self.long_shot_borrow_stable is not None and not 0 <= self.long_shot_borrow_stable <= 1:
+            raise ValueError("long_shot_borrow_stable must be in [0, 1]")
         if self.budget_clock not in ("wall", "work"):
             raise ValueError("budget_clock must be 'wall' or 'work'")
         if self.time_budget_s < 0 or self.head_groups < 1:
@@ -768,7 +774,7 @@ class QLMPolicy(QueuePolicy):
                 if (
                     not infeasible
                     and due >= now
-                    and self._credit - charge >= -self._borrow_s() * len(eligible)
+                    and self._credit - charge >= -self._borrow_s(len(eligible)) * len(eligible)
                 ):
                     self._credit -= charge
                     self._shots.add(request.request_id)
@@ -820,7 +826,7 @@ class QLMPolicy(QueuePolicy):
         # demand above capacity drains the credit: what spare capacity was saved up is spent
         # by the backlog of sure work, not left for long shots
         spare = n_inst - self._occupancy_scale() * self._sure_rate()
-        floor = -self._borrow_s() * n_inst  # what long shots may owe
+        floor = -self._borrow_s(n_inst) * n_inst  # what long shots may owe
         self._credit = min(max(self._credit + spare * dt, floor), CREDIT_MAX_S * n_inst)
 
     def _learn_occupancy(self, now: float, instances: Sequence[PlanInstance]) -> None:
@@ -896,11 +902,17 @@ class QLMPolicy(QueuePolicy):
         while window and window[0][0] < now - LOAD_WINDOW_S:
             window.popleft()
 
-    def _borrow_s(self) -> float:
-        """Seconds of each instance long shots may owe (``long_shot_borrow``)."""
+    def _borrow_s(self, n_inst: int) -> float:
+        """Seconds of each instance long shots may owe: ``long_shot_borrow`` of the shortest
+        recent sure SLO, or ``long_shot_borrow_stable`` of it while the sure work's measured
+        load (instances' worth) is below the ``n_inst`` instances there are."""
         if not self._sure_slos:
             return 0.0
-        return self.config.long_shot_borrow * self._sure_slos[0][1]
+        frac = self.config.long_shot_borrow
+        stable = self.config.long_shot_borrow_stable
+        if stable is not None and self._occupancy_scale() * self._sure_rate() < n_inst:
+            frac = stable
+        return frac * self._sure_slos[0][1]
 
     def _remember(self, r: PlanRequest, iid: str, out: float, now: float) -> None:
         if len(self._seen) >= self._seen_max and r.request_id not in self._seen:

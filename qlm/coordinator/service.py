@@ -729,7 +729,9 @@ class Coordinator:
             )
             if self.core.undo_dispatch(order, time.time()):
                 self.metrics.observe_requeue("dispatch_failed")
-                self._spawn(self._pump_after(DISPATCH_RETRY_S))
+            # the instance has its credit back even when the request was answered meanwhile:
+            # the retry pump uses it without waiting for the liveness loop's
+            self._spawn(self._pump_after(DISPATCH_RETRY_S))
             return
         self.store.record_status(
             t.request_id,

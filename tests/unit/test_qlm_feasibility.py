@@ -199,6 +199,19 @@ def test_arrival_keys_are_bounded_and_fresh() -> None:
     assert keys == {0, 1}
 
 
+def priced_policy(**config: object) -> tuple[QLMPolicy, list[PlanInstance]]:
+    """A qlm policy whose length model has seen both classes' outputs, N(400, ~290²), and whose
+    one instance was priced by a plan."""
+    pol = QLMPolicy(**config)
+    rng = np.random.default_rng(0)
+    for cls in ("interactive", "batch"):
+        for out in np.clip(rng.normal(400, 290, 512), 1, 1024):
+            pol.estimator.lengths.observe("mistral-7b", cls, int(out))
+    i0 = [inst()]
+    pol.plan([req("warm", 100.0, 1024, seq=0)], i0, NOW)  # prices the instance
+    return pol, i0
+
+
 def long_shot_case(
     overload: bool, borrow: float = 0.5, batch_slo_s: float = 300.0, burst: bool = False
 ) -> tuple[QLMPolicy, PlanRequest, PlanRequest]:
@@ -206,13 +219,7 @@ def long_shot_case(
     decode times misses at Δ even if started now, but a short output (P ≈ 0.5 here) meets.
     In overload 9,600 batch requests arrive over the 240 s before it (40/s), or with
     ``burst`` all within 5 s, 120 s before it."""
-    pol = QLMPolicy(long_shot_borrow=borrow)
-    rng = np.random.default_rng(0)
-    for cls in ("interactive", "batch"):
-        for out in np.clip(rng.normal(400, 290, 512), 1, 1024):
-            pol.estimator.lengths.observe("mistral-7b", cls, int(out))
-    i0 = [inst()]
-    pol.plan([req("warm", 100.0, 1024, seq=0)], i0, NOW)  # prices the instance
+    pol, i0 = priced_policy(long_shot_borrow=borrow)
     token_s = pol._rates[("i0", "mistral-7b")].token_s
     probe = PlanRequest("x", "mistral-7b", 200, 1024, NOW, None, None, slo_class="interactive")
     _, bound, shot = pol._lengths_of(probe)
@@ -276,6 +283,45 @@ def test_a_burst_of_slack_rich_work_leaves_long_shots_the_capacity_its_slack_spa
     assert pol.sort_key(shot)[0] == FEASIBLE
     pol, shot, _ = long_shot_case(overload=True, borrow=0.0, batch_slo_s=3600.0)
     assert pol.sort_key(shot)[:2] == (TAIL, HOPELESS)
+
+
+def shots_admitted(load_share: float, stable: float | None) -> int:
+    """Batch work at ``load_share`` of the instance's capacity for 240 s, with interactive long
+    shots arriving beside it (a whole instance's worth): how
+    many long shots are admitted."""
+    pol, i0 = priced_policy(long_shot_borrow_stable=stable)
+    rate = pol._rates[("i0", "mistral-7b")]
+    token_s = rate.token_s
+    mean, _, _ = pol._lengths_of(
+        PlanRequest("x", "mistral-7b", 200, 1024, NOW, None, None, slo_class="batch")
+    )
+    occ = 200 * rate.inv_prefill_tps + mean * rate.inv_tps
+    gap = occ / load_share
+    t, seq, admitted, next_shot = NOW, 1, 0, NOW
+    while t < NOW + 240.0:
+        b = PlanRequest(f"b{seq}", "mistral-7b", 200, 1024, t, t + 300.0, None, seq)
+        pol.place(dataclasses.replace(b, slo_class="batch"), i0, {"i0": 0.0}, t)
+        seq += 1
+        while next_shot <= t:
+            s = PlanRequest(f"s{seq}", "mistral-7b", 200, 1024, t, t + 420 * token_s, None, seq)
+            s = dataclasses.replace(s, slo_class="interactive")
+            pol.place(s, i0, {"i0": 0.0}, t)
+            admitted += pol.sort_key(s)[0] == FEASIBLE
+            seq += 1
+            next_shot += occ
+        t += gap
+    return admitted
+
+
+def test_long_shots_borrow_more_of_the_slack_of_sure_work_that_keeps_up() -> None:
+    """Sure work below the capacity does not queue up of itself, so long shots may owe more
+    of its slack (``long_shot_borrow_stable``); sure work above the capacity eats its slack
+    with its own backlog, and they owe no more than ``long_shot_borrow`` of it."""
+    below_more, below_base = shots_admitted(0.9, 0.75), shots_admitted(0.9, None)
+    assert below_more > below_base > 0
+    assert shots_admitted(1.3, 0.75) == shots_admitted(1.3, None)
+    with pytest.raises(ValueError, match="long_shot_borrow_stable"):
+        QLMPolicy(long_shot_borrow_stable=1.5)
 
 
 def test_kept_work_past_its_latest_start_is_demoted_at_dispatch() -> None:
