@@ -287,8 +287,7 @@ def test_a_burst_of_slack_rich_work_leaves_long_shots_the_capacity_its_slack_spa
 
 def shots_admitted(load_share: float, stable: float | None) -> int:
     """Batch work at ``load_share`` of the instance's capacity for 240 s, with interactive long
-    shots arriving beside it (a whole instance's worth): how
-    many long shots are admitted."""
+    shots arriving beside it (a whole instance's worth): how many long shots are admitted."""
     pol, i0 = priced_policy(long_shot_borrow_stable=stable)
     rate = pol._rates[("i0", "mistral-7b")]
     token_s = rate.token_s
@@ -319,7 +318,8 @@ def test_long_shots_borrow_more_of_the_slack_of_sure_work_that_keeps_up() -> Non
     with its own backlog, and they owe no more than ``long_shot_borrow`` of it."""
     below_more, below_base = shots_admitted(0.9, 0.75), shots_admitted(0.9, None)
     assert below_more > below_base > 0
-    assert shots_admitted(1.3, 0.75) == shots_admitted(1.3, None)
+    above = shots_admitted(1.3, 0.75)
+    assert above == shots_admitted(1.3, None) > 0
     with pytest.raises(ValueError, match="long_shot_borrow_stable"):
         QLMPolicy(long_shot_borrow_stable=1.5)
 
