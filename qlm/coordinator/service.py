@@ -196,6 +196,10 @@ class Coordinator:
         # while it was down never reached it, so the agents get the registration grace again
         # from then (none is judged lost, no model looks unserved, for that long).
         self._reconnected_at: float | None = None
+        # From the connection's loss until its channels and consumers are restored (the
+        # reconnect callback): the transport may be back seconds earlier, while the control
+        # queue's consumer (heartbeats) still waits for a new quorum leader
+        self._restoring = False
         self._held_unserved: dict[str, float] = {}  # request id -> when its hold ends (unix s)
         self._models_exchange: AbstractExchange | None = None
         self._announced: tuple[list[ServedModel], float] | None = None  # what and when
@@ -255,6 +259,7 @@ class Coordinator:
         except Exception as exc:  # a cache only: the record itself is consulted on redelivery
             log.warning("answered_ids_not_loaded", error=repr(exc)[:200])
         self._conn = await qlm_amqp.connect(self.amqp_url, name="qlm-coordinator")
+        self._conn.close_callbacks.add(self._on_connection_lost)
         self._conn.reconnect_callbacks.add(self._on_reconnected)
         self._pub = await self._conn.channel(publisher_confirms=True, on_return_raises=True)
         # The setup channel re-declares the topology after a broker restart (a non-durable
@@ -1378,8 +1383,12 @@ class Coordinator:
         self._spawn(run())
 
     # ------------------------------------------------------------------ liveness
+    def _on_connection_lost(self, *_: Any) -> None:
+        self._restoring = True
+
     def _on_reconnected(self, _: Any) -> None:
         now = time.time()
+        self._restoring = False
         self._reconnected_at = now
         self.core.excuse_silence(now)
         log.info("coordinator_reconnected_agents_excused", instances=len(self.core.instances))
@@ -1391,9 +1400,12 @@ class Coordinator:
         return active if self._reconnected_at is None else max(active, self._reconnected_at)
 
     def _deaf(self) -> bool:
-        """This coordinator cannot hear heartbeats now: its own connection is down."""
+        """This coordinator cannot hear heartbeats now: its own connection is down, or back
+        but its consumers not restored yet (after a quorum leader's loss the control queue's
+        consumer came back 9 s after the transport: every instance was declared lost
+        meanwhile, and requests arriving then were refused ``model_not_served``)."""
         conn = self._conn
-        return conn is not None and not conn.connected.is_set()
+        return conn is not None and (self._restoring or not conn.connected.is_set())
 
     async def _liveness_loop(self) -> None:
         last_tick = time.monotonic()
