@@ -825,7 +825,7 @@ class QLMPolicy(QueuePolicy):
                 sums[2] *= recent
         # demand above capacity drains the credit: what spare capacity was saved up is spent
         # by the backlog of sure work, not left for long shots
-        spare = n_inst - self._occupancy_scale() * self._sure_rate()
+        spare = n_inst - self._sure_instances()
         floor = -self._borrow_s(n_inst) * n_inst  # what long shots may owe
         self._credit = min(max(self._credit + spare * dt, floor), CREDIT_MAX_S * n_inst)
 
@@ -876,6 +876,10 @@ class QLMPolicy(QueuePolicy):
         scale = self._occ_busy_s / self._occ_priced_s
         return min(max(scale, OCCUPANCY_SCALE_MIN), 1.0)
 
+    def _sure_instances(self) -> float:
+        """Instances' worth of capacity the sure work takes, at the measured occupancy."""
+        return self._occupancy_scale() * self._sure_rate()
+
     def _sure_rate(self) -> float:
         """Instances' worth of capacity the sure work needs: its occupancy's arrival rate over
         the last LOAD_WINDOW_S, except that work with SLOs of minutes or more that came as a
@@ -910,7 +914,7 @@ class QLMPolicy(QueuePolicy):
             return 0.0
         frac = self.config.long_shot_borrow
         stable = self.config.long_shot_borrow_stable
-        if stable is not None and self._occupancy_scale() * self._sure_rate() < n_inst:
+        if stable is not None and self._sure_instances() < n_inst:
             frac = stable
         return frac * self._sure_slos[0][1]
 
