@@ -55,13 +55,11 @@ from scipy.special import ndtr
 from qlm.engine_scheduler import KV_SATURATED_FRACTION
 from qlm.estimator import HardwareProfile, OutputLengthModel, RCTEstimator, normal_quantile
 from qlm.grouping import GroupingConfig, build_groups, load_clustering
+from qlm.planner.group_search import WorkClock, iterated_local_search, local_search
 from qlm.planner.milp import (
     GroupProblem,
-    WorkClock,
     evaluate_queues,
     greedy_assign,
-    iterated_local_search,
-    local_search,
     queue_times,
     solve_slots,
 )

@@ -15,18 +15,21 @@ from hypothesis import strategies as st
 from qlm.planner import create_policy
 from qlm.planner.baselines import EDFPolicy
 from qlm.planner.evaluate import predicted_attainment
+from qlm.planner.group_search import (
+    WorkClock,
+    _insertion_scores,
+    _insertion_scores_many,
+    _queue_score,
+    _queue_terms,
+    iterated_local_search,
+    local_search,
+)
 from qlm.planner.milp import (
     GroupProblem,
     _decode,
-    _insertion_scores,
-    _insertion_scores_many,
     _primal_status,
-    _queue_score,
-    _queue_terms,
     evaluate_queues,
     greedy_assign,
-    iterated_local_search,
-    local_search,
     solve_exact,
     solve_slots,
 )
@@ -304,7 +307,7 @@ def test_iterated_local_search_stops_once_rounds_stop_improving(monkeypatch) -> 
     """The perturbation rounds stop after ``stall_rounds`` in a row found nothing better,
     well before the round limit, and the plan is the one the full run of rounds keeps when
     the later rounds find nothing either."""
-    import qlm.planner.milp as milp
+    import qlm.planner.group_search as group_search
 
     descents: list[int] = []
 
@@ -312,7 +315,7 @@ def test_iterated_local_search_stops_once_rounds_stop_improving(monkeypatch) -> 
         descents.append(1)
         return local_search(*args, **kwargs)
 
-    monkeypatch.setattr(milp, "local_search", counted)
+    monkeypatch.setattr(group_search, "local_search", counted)
     p = random_problem(6, 2, seed=1)
     start = greedy_assign(p)
     unlimited = iterated_local_search(p, start, deadline_s=math.inf, rounds=40, stall_rounds=40)
@@ -374,16 +377,115 @@ def test_insertion_scores_equal_scoring_each_insertion(data: st.DataObject) -> N
 def test_groups_scored_together_in_chunks_score_as_alone(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """A long queue's groups are scored in chunks (a memory bound); every chunking gives each
     group's own scores to the bit."""
-    import qlm.planner.milp as milp
+    import qlm.planner.group_search as group_search
 
     p = random_problem(30, 2, seed=5)
     queues = greedy_assign(p)
     target, groups = queues[0], np.asarray(queues[1], dtype=np.int64)
     alone = np.array([_insertion_scores(p, 0, target, int(i)) for i in groups])
     for cells in (1, 7 * len(target), 1 << 20):
-        monkeypatch.setattr(milp, "MANY_CELLS", cells)
+        monkeypatch.setattr(group_search, "MANY_CELLS", cells)
         many = _insertion_scores_many(p, 0, _queue_terms(p, 0, target), groups)
         np.testing.assert_array_equal(many, alone)
+
+
+def mixed_problem(seed: int) -> GroupProblem:
+    """Random problems with what the scoring must get right to the bit: fractional weights
+    (service gain), deadlines absent, ineligible pairs, unknown initial models, switches."""
+    rng = np.random.default_rng(seed)
+    G, n_inst, M = int(rng.integers(1, 40)), int(rng.integers(1, 5)), int(rng.integers(1, 4))
+    deadline = rng.uniform(0, 300, G)
+    deadline[rng.random(G) < 0.15] = np.inf
+    weight = rng.integers(1, 20, G).astype(float) if seed % 2 else rng.uniform(0.1, 30, G)
+    eligible = rng.random((G, n_inst)) < 0.8
+    eligible[np.arange(G), rng.integers(0, n_inst, G)] = True
+    dur = np.where(eligible, rng.uniform(0.5, 60, (G, n_inst)), np.inf)
+    return GroupProblem(
+        weight=weight,
+        deadline=deadline,
+        model=rng.integers(0, M, G),
+        dur=dur,
+        own=dur * rng.uniform(0.5, 1.5, (G, n_inst)),
+        eligible=eligible,
+        base=rng.uniform(0, 50, n_inst),
+        init_model=rng.integers(-1, M, n_inst),
+        switch=rng.uniform(0, 20, (n_inst, M)),
+    )
+
+
+@pytest.mark.parametrize("cells", [1 << 20, 5])
+def test_every_removal_scores_as_the_queue_left_and_the_group_put_back_alone(
+    monkeypatch: pytest.MonkeyPatch, cells: int
+) -> None:
+    """The batch of every way to take a group out of a queue gives, to the bit, the score of
+    the queue left and of each re-insertion computed one queue at a time (in any chunking)."""
+    import qlm.planner.group_search as group_search
+
+    monkeypatch.setattr(group_search, "MANY_CELLS", cells)
+    for seed in range(40):
+        p = mixed_problem(seed)
+        for g, queue in enumerate(greedy_assign(p)):
+            if not queue:
+                continue
+            removals = group_search._removal_scores(p, g, queue)
+            for pos, i in enumerate(queue):
+                rest = queue[:pos] + queue[pos + 1 :]
+                assert removals.rest[pos] == _queue_score(p, g, rest)
+                np.testing.assert_array_equal(removals.back[pos], _insertion_scores(p, g, rest, i))
+
+
+def one_candidate_at_a_time(
+    p: GroupProblem, queues: list[list[int]], deadline_s: float, clock: WorkClock
+) -> list[list[int]]:
+    """The local search's definition: every (group, destination) scored on its own, every
+    sweep from scratch; the batched search must take exactly its moves."""
+    queues = [list(q) for q in queues]
+    scores = [_queue_score(p, g, q) for g, q in enumerate(queues)]
+    improved, out_of_time = True, False
+    while improved and not out_of_time and clock() < deadline_s:
+        improved, best = False, None
+        for src, q in enumerate(queues):
+            for pos, i in enumerate(q):
+                rest = q[:pos] + q[pos + 1 :]
+                for dst in np.flatnonzero(p.eligible[i]).tolist():
+                    if clock() > deadline_s:
+                        out_of_time = True
+                        break
+                    if dst == src:
+                        gains = _insertion_scores(p, dst, rest, i) + 0.0 - scores[src]
+                        gains[pos] = -np.inf
+                    else:
+                        kept, old = _queue_score(p, src, rest), scores[src] + scores[dst]
+                        gains = _insertion_scores(p, dst, queues[dst], i) + kept - old
+                    ins = int(np.argmax(gains))
+                    if gains[ins] > 1e-9 and (best is None or gains[ins] > best[0]):
+                        best = (float(gains[ins]), src, pos, dst, ins)
+                if out_of_time:
+                    break
+            if out_of_time:
+                break
+        if best is not None:
+            _, src, pos, dst, ins = best
+            queues[dst].insert(ins, queues[src].pop(pos))
+            scores[src], scores[dst] = (_queue_score(p, g, queues[g]) for g in (src, dst))
+            improved = True
+    return queues
+
+
+@pytest.mark.parametrize("budget", [0.003, 0.05, math.inf])
+def test_the_batched_local_search_takes_the_moves_of_one_candidate_at_a_time(
+    budget: float,
+) -> None:
+    """Same plan and the same clock readings (so the same budget spent) as scoring each
+    candidate alone, from greedy and from scrambled starts, budget cut or not."""
+    for seed in range(25):
+        p = mixed_problem(seed)
+        rng = np.random.default_rng(seed)
+        start = [[int(i) for i in rng.permutation(q)] for q in greedy_assign(p)]
+        ours_clock, ref_clock = WorkClock(), WorkClock()
+        ours = local_search(p, start, deadline_s=budget, clock=ours_clock)
+        assert ours == one_candidate_at_a_time(p, start, budget, ref_clock), seed
+        assert ours_clock.now == ref_clock.now, seed
 
 
 def test_a_backlog_larger_than_the_memory_bound_is_not_taken_for_running_work(
