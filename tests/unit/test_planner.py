@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Iterator
 from types import SimpleNamespace
 
 import numpy as np
@@ -441,33 +442,34 @@ def one_candidate_at_a_time(
     sweep from scratch; the batched search must take exactly its moves."""
     queues = [list(q) for q in queues]
     scores = [_queue_score(p, g, q) for g, q in enumerate(queues)]
+
+    def candidates() -> Iterator[tuple[int, int, int, int]]:
+        for src, q in enumerate(queues):
+            for pos, i in enumerate(q):
+                for dst in np.flatnonzero(p.eligible[i]).tolist():
+                    yield src, pos, i, dst
+
     improved, out_of_time = True, False
     while improved and not out_of_time and clock() < deadline_s:
         improved, best = False, None
-        for src, q in enumerate(queues):
-            for pos, i in enumerate(q):
-                rest = q[:pos] + q[pos + 1 :]
-                for dst in np.flatnonzero(p.eligible[i]).tolist():
-                    if clock() > deadline_s:
-                        out_of_time = True
-                        break
-                    if dst == src:
-                        gains = _insertion_scores(p, dst, rest, i) + 0.0 - scores[src]
-                        gains[pos] = -np.inf
-                    else:
-                        kept, old = _queue_score(p, src, rest), scores[src] + scores[dst]
-                        gains = _insertion_scores(p, dst, queues[dst], i) + kept - old
-                    ins = int(np.argmax(gains))
-                    if gains[ins] > 1e-9 and (best is None or gains[ins] > best[0]):
-                        best = (float(gains[ins]), src, pos, dst, ins)
-                if out_of_time:
-                    break
-            if out_of_time:
+        for src, pos, i, dst in candidates():
+            if clock() > deadline_s:
+                out_of_time = True
                 break
+            rest = queues[src][:pos] + queues[src][pos + 1 :]
+            if dst == src:
+                gains = _insertion_scores(p, dst, rest, i) + 0.0 - scores[src]
+                gains[pos] = -np.inf
+            else:
+                kept, old = _queue_score(p, src, rest), scores[src] + scores[dst]
+                gains = _insertion_scores(p, dst, queues[dst], i) + kept - old
+            k = int(np.argmax(gains))
+            if gains[k] > 1e-9 and (best is None or gains[k] > best[0]):
+                best = (float(gains[k]), src, pos, dst, k)
         if best is not None:
-            _, src, pos, dst, ins = best
-            queues[dst].insert(ins, queues[src].pop(pos))
-            scores[src], scores[dst] = (_queue_score(p, g, queues[g]) for g in (src, dst))
+            queues[best[3]].insert(best[4], queues[best[1]].pop(best[2]))
+            for g in (best[1], best[3]):
+                scores[g] = _queue_score(p, g, queues[g])
             improved = True
     return queues
 
