@@ -50,7 +50,8 @@ def create_policy(
 
     * ``budget_clock`` - the planner's time budgets: ``"wall"`` (real seconds; the live
       coordinator) or ``"work"`` (a work counter, so that the same inputs give the same plan
-      on any machine; the simulator). Policies without time budgets ignore it;
+      on any machine; the simulator). ``qlm`` and ``shepherd`` (its ILP's limit) use it;
+      the others have no time budget;
     * ``objective`` - the planner's objective (``QLM_PLANNER_OBJECTIVE`` live): ``None`` keeps
       its default; policies without one ignore it;
     * ``cap_throughput_min`` - the share of full-batch throughput the planner's batch caps
@@ -61,6 +62,8 @@ def create_policy(
     key = name.lower()
     if key not in POLICIES:
         raise ValueError(f"unknown policy {name!r}; choose from {sorted(POLICIES)}")
+    if key == "shepherd":  # its ILP has a time limit: a node limit under a work budget
+        return SHEPHERDPolicy(**{"budget_clock": budget_clock, **overrides})
     if key != "qlm":
         return POLICIES[key](**overrides)
     kwargs: dict[str, Any] = {"budget_clock": budget_clock}

@@ -41,6 +41,9 @@ log = structlog.get_logger(__name__)
 
 TARDINESS_WEIGHT = 1e-3  # per second of lateness, per group: far below one met request
 SWITCH_WEIGHT = 1e-3  # per model switch: among equally good plans, fewer switches (affinity)
+# Under a work budget (the simulator) a solver stops at a node limit, the same search on any
+# machine; its wall-clock limit, this many times the live one, is only a safety net
+WORK_SAFETY_FACTOR = 10.0
 
 
 @dataclass
@@ -196,10 +199,16 @@ class MilpResult:
     objective: float | None = None
 
 
-def _solver_kwargs(solver: str, time_limit: float) -> dict[str, object]:
+def _solver_kwargs(solver: str, time_limit: float, node_limit: int | None) -> dict[str, object]:
     if solver == "SCIP":
-        return {"scip_params": {"limits/time": time_limit}}
-    return {"time_limit": time_limit}
+        params: dict[str, object] = {"limits/time": time_limit}
+        if node_limit is not None:
+            params["limits/nodes"] = node_limit
+        return {"scip_params": params}
+    out: dict[str, object] = {"time_limit": time_limit}
+    if node_limit is not None:
+        out["mip_max_nodes"] = node_limit
+    return out
 
 
 def solve_slots(
@@ -211,12 +220,15 @@ def solve_slots(
     start: Sequence[float] | None = None,
     init_model: Sequence[int] | None = None,
     time_limit: float = 1.0,
+    node_limit: int | None = None,
     solver: str = "HIGHS",
 ) -> MilpResult:
     """The slot formulation (eqs. 6-12 with the deterministic equivalent): place ``groups`` in
     ``slots`` positions of each of ``instances``. ``start``/``init_model`` override each queue's
     start time and loaded model (the rolling horizon solves a queue's head after a fixed
-    prefix). Returns verified queues (group indices in order) or ``None``."""
+    prefix). ``node_limit`` also stops the branch and bound after that many nodes: a limit
+    of work, not of seconds, so the answer is the same on any machine. Returns verified
+    queues (group indices in order) or ``None``."""
     import cvxpy as cp
 
     t0 = time.perf_counter()
@@ -289,7 +301,7 @@ def solve_slots(
         with warnings.catch_warnings():
             # "solution may be inaccurate" at a time limit: we verify the answer ourselves
             warnings.simplefilter("ignore", UserWarning)
-            prob.solve(solver=solver, **_solver_kwargs(solver, time_limit))
+            prob.solve(solver=solver, **_solver_kwargs(solver, time_limit, node_limit))
         status = str(prob.status)
     except Exception as exc:  # SolverError without an incumbent (SCIPY/SCIP), numeric trouble
         log.info("milp_solver_failed", error=str(exc)[:200])

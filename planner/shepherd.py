@@ -30,7 +30,12 @@ Assumptions (ours, stated because the paper gives no formulation):
   first, so overload cannot keep a late request at the back forever.
 * **Determinism.** Instances enter the ILP in id order and HiGHS is deterministic for a given
   model, so a replan is reproducible whenever the solver finishes inside ``time_limit_s``
-  (small heads do); a solve cut off by the clock may differ between runs.
+  (small heads do); a solve cut off by the clock may differ between runs. The simulator
+  builds the policy with ``budget_clock="work"``: the ILP's search then stops after
+  ``node_limit`` branch-and-bound nodes instead (the clock limit stays, ten times longer, as a
+  safety net only), so a published run reproduces on any machine. On this project's
+  development machine the solves the clock cut off had explored 79-258 nodes in their 0.5 s;
+  most solve at the root node.
 * ``place`` (one arrival) is the EDF key into the least-loaded eligible queue: O(instances).
 
 The virtual queue only carries an order; the batch boundaries are reported in ``Plan.meta``
@@ -50,6 +55,7 @@ import structlog
 
 from qlm.logging import absorb_highs_banner
 from qlm.planner.evaluate import profile_for
+from qlm.planner.milp import WORK_SAFETY_FACTOR
 from qlm.policy import Plan, PlanInstance, PlanRequest, QueuePolicy
 
 log = structlog.get_logger(__name__)
@@ -94,13 +100,21 @@ class SHEPHERDPolicy(QueuePolicy):
         time_limit_s: float = 0.5,
         max_wait_s: float = 600.0,
         replan_every_s: float = 5.0,
+        budget_clock: str = "wall",
+        node_limit: int = 200,
     ) -> None:
         if batch_size < 1 or ilp_batches < 0 or time_limit_s <= 0 or max_wait_s <= 0:
             raise ValueError("batch_size >= 1, ilp_batches >= 0, time limits > 0 required")
+        if budget_clock not in ("wall", "work") or node_limit < 1:
+            raise ValueError("budget_clock is 'wall' or 'work', node_limit >= 1")
         self.batch_size = batch_size
         self.static_batch_size = batch_size
         self.ilp_batches = ilp_batches
         self.time_limit_s = time_limit_s
+        # "work": the ILP stops at node_limit nodes, the same search on any machine (module
+        # docstring, Determinism)
+        self.budget_clock = budget_clock
+        self.node_limit = node_limit
         self.max_wait_s = max_wait_s
         # SHEPHERD plans periodically (its batches are formed from what queued since): ask for
         # a replan once the last one is this old and requests arrived since.
@@ -271,7 +285,7 @@ class SHEPHERDPolicy(QueuePolicy):
             with warnings.catch_warnings():
                 # cvxpy warns "may be inaccurate" at the time limit; the status check decides.
                 warnings.simplefilter("ignore", UserWarning)
-                prob.solve(solver=cp.HIGHS, time_limit=self.time_limit_s)
+                prob.solve(solver=cp.HIGHS, **self._limits())
         except (cp.error.SolverError, ValueError) as e:
             log.warning("shepherd_ilp_failed", error=str(e))
             return None
@@ -286,6 +300,14 @@ class SHEPHERDPolicy(QueuePolicy):
             ks = np.flatnonzero(chosen_mat[b_idx])
             out.append(instance_ids[int(ks[0])] if len(ks) else None)
         return out if self._feasible(head, out) else None
+
+    def _limits(self) -> dict[str, float | int]:
+        if self.budget_clock == "work":
+            return {
+                "time_limit": WORK_SAFETY_FACTOR * self.time_limit_s,
+                "mip_max_nodes": self.node_limit,
+            }
+        return {"time_limit": self.time_limit_s}
 
     @staticmethod
     def _feasible(head: Sequence[_Batch], assignment: Sequence[str | None]) -> bool:

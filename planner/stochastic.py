@@ -57,6 +57,7 @@ from qlm.estimator import HardwareProfile, OutputLengthModel, RCTEstimator, norm
 from qlm.grouping import GroupingConfig, build_groups, load_clustering
 from qlm.planner.group_search import WorkClock, iterated_local_search, local_search
 from qlm.planner.milp import (
+    WORK_SAFETY_FACTOR,
     GroupProblem,
     evaluate_queues,
     greedy_assign,
@@ -130,6 +131,12 @@ class QLMConfig:
     scale_up_budget_s: float = 0.05
     head_groups: int = 6  # rolling horizon: groups per queue ordered exactly by the MILP
     milp_time_limit_s: float = 0.15
+    # with budget_clock "work": the MILP stops after this many branch-and-bound nodes, and
+    # its wall-clock limit (milp_time_limit_s × WORK_SAFETY_FACTOR) is only a safety net.
+    # The heads solve at the root node (wb-512, wa: every solve); their wall time, up to
+    # 0.11 s on a loaded machine, came close to the 0.15-s limit a published run must not
+    # depend on
+    milp_node_limit: int = 200
     max_milp_queues: int = 8
     enumerate_up_to: int = 4  # heads this short are ordered by enumeration, not the MILP
     local_search_max_groups: int = 400
@@ -1701,12 +1708,7 @@ class QLMPolicy(QueuePolicy):
                     stats["improved"] += 1
                 continue
             res = solve_slots(
-                p,
-                head,
-                [g],
-                len(head),
-                time_limit=min(self.config.milp_time_limit_s, left),
-                solver=self.config.solver,
+                p, head, [g], len(head), solver=self.config.solver, **self._milp_limits(left)
             )
             stats["solved"] += 1
             if res.queues is None:
@@ -1717,6 +1719,16 @@ class QLMPolicy(QueuePolicy):
                 queues[g] = cand
                 stats["improved"] += 1
         return queues, stats
+
+    def _milp_limits(self, left: float) -> dict[str, Any]:
+        """The rolling horizon MILP's limits: ``left`` is the budget left on the planner's
+        clock, wall seconds live; under a work clock a node limit (config)."""
+        if self.config.budget_clock == "work":
+            return {
+                "time_limit": WORK_SAFETY_FACTOR * self.config.milp_time_limit_s,
+                "node_limit": self.config.milp_node_limit,
+            }
+        return {"time_limit": min(self.config.milp_time_limit_s, left)}
 
     # ------------------------------------------------------------------ LSO
     def _lso(

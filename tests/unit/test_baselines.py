@@ -115,6 +115,35 @@ def test_shepherd_ilp_respects_eligibility_and_spreads_ties() -> None:
     assert sorted(out.count(k) for k in "ab") == [2, 3]
 
 
+@pytest.mark.parametrize("clock", ["wall", "work"])
+def test_shepherd_ilp_is_bounded_by_nodes_under_a_work_budget(
+    monkeypatch: pytest.MonkeyPatch, clock: str
+) -> None:
+    """Under the simulator's work budget the ILP stops at a node limit (the same search on any
+    machine; the clock limit, ten times longer, only a safety net); live, at its time limit.
+    Either way a head that needs branching gets a verified answer, the same each time."""
+    import cvxpy as cp
+
+    seen: list[dict[str, object]] = []
+    solve = cp.Problem.solve
+
+    def spy(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        seen.append(kwargs)
+        return solve(self, *args, **kwargs)
+
+    monkeypatch.setattr(cp.Problem, "solve", spy)
+    times = [{k: 1.0 + (i * j) % 5 for j, k in enumerate("abc")} for i in range(32)]
+    batches = [_Batch("m", [req(f"r{i}")], 3.0 + (7 * i) % 23, t) for i, t in enumerate(times)]
+    policy = SHEPHERDPolicy(budget_clock=clock, node_limit=5)
+    answers = [policy._solve_ilp(batches, ["a", "b", "c"]) for _ in range(2)]
+    assert answers[0] is not None and answers[0] == answers[1]
+    expected: dict[str, object] = {"time_limit": 0.5}
+    if clock == "work":
+        expected = {"time_limit": 5.0, "mip_max_nodes": 5}
+    assert all({k: v for k, v in kw.items() if k != "solver"} == expected for kw in seen)
+    assert create_policy("shepherd", budget_clock="work").budget_clock == "work"  # type: ignore[attr-defined]
+
+
 def test_shepherd_forms_fixed_size_batches_per_model() -> None:
     rs = [req(f"m{i}", deadline=1e5) for i in range(37)]
     rs += [req(f"v{i}", model="vicuna-13b", deadline=1e5) for i in range(5)]
