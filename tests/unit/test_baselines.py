@@ -120,8 +120,9 @@ def test_shepherd_ilp_is_bounded_by_nodes_under_a_work_budget(
     monkeypatch: pytest.MonkeyPatch, clock: str
 ) -> None:
     """Under the simulator's work budget the ILP stops at a node limit (the same search on any
-    machine; the clock limit, ten times longer, only a safety net); live, at its time limit.
-    Either way a head that needs branching gets a verified answer, the same each time."""
+    machine; the clock limit, ten times longer, only a safety net): a head that needs
+    branching (4,328 nodes unbounded) gets the same verified answer each time. Live it stops
+    at its time limit, where the answer may differ between solves (it did in `make test`)."""
     import cvxpy as cp
 
     seen: list[dict[str, object]] = []
@@ -136,7 +137,9 @@ def test_shepherd_ilp_is_bounded_by_nodes_under_a_work_budget(
     batches = [_Batch("m", [req(f"r{i}")], 3.0 + (7 * i) % 23, t) for i, t in enumerate(times)]
     policy = SHEPHERDPolicy(budget_clock=clock, node_limit=5)
     answers = [policy._solve_ilp(batches, ["a", "b", "c"]) for _ in range(2)]
-    assert answers[0] is not None and answers[0] == answers[1]
+    assert answers[0] is not None and answers[1] is not None
+    if clock == "work":
+        assert answers[0] == answers[1]
     expected: dict[str, object] = {"time_limit": 0.5}
     if clock == "work":
         expected = {"time_limit": 5.0, "mip_max_nodes": 5}
