@@ -199,7 +199,17 @@ class MilpResult:
     objective: float | None = None
 
 
-def _solver_kwargs(solver: str, time_limit: float, node_limit: int | None) -> dict[str, object]:
+def budget_limits(
+    budget_clock: str, time_limit_s: float, node_limit: int, left: float = math.inf
+) -> tuple[float, int | None]:
+    """A solve's (time limit, node limit): live, the time limit (at most ``left``, the
+    budget left); under a work budget the node limit, the time limit only a safety net."""
+    if budget_clock == "work":
+        return WORK_SAFETY_FACTOR * time_limit_s, node_limit
+    return min(time_limit_s, left), None
+
+
+def solver_kwargs(solver: str, time_limit: float, node_limit: int | None) -> dict[str, object]:
     if solver == "SCIP":
         params: dict[str, object] = {"limits/time": time_limit}
         if node_limit is not None:
@@ -301,7 +311,7 @@ def solve_slots(
         with warnings.catch_warnings():
             # "solution may be inaccurate" at a time limit: we verify the answer ourselves
             warnings.simplefilter("ignore", UserWarning)
-            prob.solve(solver=solver, **_solver_kwargs(solver, time_limit, node_limit))
+            prob.solve(solver=solver, **solver_kwargs(solver, time_limit, node_limit))
         status = str(prob.status)
     except Exception as exc:  # SolverError without an incumbent (SCIPY/SCIP), numeric trouble
         log.info("milp_solver_failed", error=str(exc)[:200])

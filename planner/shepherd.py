@@ -55,7 +55,7 @@ import structlog
 
 from qlm.logging import absorb_highs_banner
 from qlm.planner.evaluate import profile_for
-from qlm.planner.milp import WORK_SAFETY_FACTOR
+from qlm.planner.milp import budget_limits, solver_kwargs
 from qlm.policy import Plan, PlanInstance, PlanRequest, QueuePolicy
 
 log = structlog.get_logger(__name__)
@@ -301,13 +301,10 @@ class SHEPHERDPolicy(QueuePolicy):
             out.append(instance_ids[int(ks[0])] if len(ks) else None)
         return out if self._feasible(head, out) else None
 
-    def _limits(self) -> dict[str, float | int]:
-        if self.budget_clock == "work":
-            return {
-                "time_limit": WORK_SAFETY_FACTOR * self.time_limit_s,
-                "mip_max_nodes": self.node_limit,
-            }
-        return {"time_limit": self.time_limit_s}
+    def _limits(self) -> dict[str, object]:
+        return solver_kwargs(
+            "HIGHS", *budget_limits(self.budget_clock, self.time_limit_s, self.node_limit)
+        )
 
     @staticmethod
     def _feasible(head: Sequence[_Batch], assignment: Sequence[str | None]) -> bool:

@@ -57,8 +57,8 @@ from qlm.estimator import HardwareProfile, OutputLengthModel, RCTEstimator, norm
 from qlm.grouping import GroupingConfig, build_groups, load_clustering
 from qlm.planner.group_search import WorkClock, iterated_local_search, local_search
 from qlm.planner.milp import (
-    WORK_SAFETY_FACTOR,
     GroupProblem,
+    budget_limits,
     evaluate_queues,
     greedy_assign,
     queue_times,
@@ -1721,14 +1721,12 @@ class QLMPolicy(QueuePolicy):
         return queues, stats
 
     def _milp_limits(self, left: float) -> dict[str, Any]:
-        """The rolling horizon MILP's limits: ``left`` is the budget left on the planner's
-        clock, wall seconds live; under a work clock a node limit (config)."""
-        if self.config.budget_clock == "work":
-            return {
-                "time_limit": WORK_SAFETY_FACTOR * self.config.milp_time_limit_s,
-                "node_limit": self.config.milp_node_limit,
-            }
-        return {"time_limit": min(self.config.milp_time_limit_s, left)}
+        """The rolling horizon MILP's limits; ``left``: the budget left on the planner's clock."""
+        cfg = self.config
+        time_limit, nodes = budget_limits(
+            cfg.budget_clock, cfg.milp_time_limit_s, cfg.milp_node_limit, left
+        )
+        return {"time_limit": time_limit, "node_limit": nodes}
 
     # ------------------------------------------------------------------ LSO
     def _lso(
