@@ -14,6 +14,7 @@ from qlm.tooling.simulator.glance import (
     bound_gap_markdown,
     glance_markdown,
     glance_row,
+    glance_rows,
     speed_markdown,
     write_attainment_blocks,
     write_bound_block,
@@ -52,6 +53,16 @@ def test_a_point_within_the_slack_is_met_unless_its_own_checks_miss() -> None:
     checks = [{"target": "x", "measured": "y", "met": False}]
     row = glance_row({**close, "checks": checks})
     assert not row.met and "missed its check 'x'" in row.why
+
+
+def test_a_clairvoyant_twin_has_no_row_of_its_own() -> None:
+    run = summary([0.9, 0.6], [0.85, 0.65], [0.95, 0.5], clairvoyant_max_tokens=False)
+    twin = {"policies": {"qlm": {"slo_attainment": [1.0, 0.8]}}, "clairvoyant_max_tokens": True}
+    capped = {**twin, "clairvoyant_max_tokens": False}  # not a clairvoyant run: a run like any
+    rows = glance_rows({"run": run, "run-clairvoyant": twin, "x-clairvoyant": twin})
+    assert [r.scenario for r in rows] == ["run", "x-clairvoyant"]  # x has no run to be twin of
+    rows = glance_rows({"run": run, "run-clairvoyant": capped})
+    assert [r.scenario for r in rows] == ["run", "run-clairvoyant"]
 
 
 def test_runs_without_baselines_are_judged_by_their_own_checks() -> None:
@@ -122,14 +133,24 @@ def test_the_bound_table_gives_qlms_largest_gap_to_the_hindsight_bound(tmp_path:
     ablation = {"policies": {"qlm": {"slo_attainment": 0.5}, "qlm-x": {"slo_attainment": 0.6}}}
     ablation["hindsight"] = {"slo_attainment": 1.0}
     unbounded = {"policies": {"qlm": {"slo_attainment": 0.5}, "edf": {"slo_attainment": 0.4}}}
+    # run's clairvoyant twin: qlm alone, told the true lengths
+    twin = {**summary([0.92, 0.7], [0, 0], [0, 0]), "clairvoyant_max_tokens": True}
+    twin["policies"] = {"qlm": twin["policies"]["qlm"]}
     table = bound_gap_markdown(
-        {"run": run, "close": close, "ablation": ablation, "unbounded": unbounded}
+        {
+            "run": run,
+            "run-clairvoyant": twin,
+            "close": close,
+            "ablation": ablation,
+            "unbounded": unbounded,
+        }
     )
-    assert "| run | 1 of 2 | 8 | 60.0 | edf 65.0 | 90.0 | 30.0 | **missed** |" in table
-    assert "| close | 2 of 2 | 4 | 95.0 | qlm 95.0 | 100.0 | 5.0 | met |" in table
+    assert "| run | 1 of 2 | 8 | 60.0 | edf 65.0 | 70.0 | 90.0 | 30.0 | **missed** |" in table
+    assert "| close | 2 of 2 | 4 | 95.0 | qlm 95.0 | – | 100.0 | 5.0 | met |" in table
+    assert "run-clairvoyant" not in table
     assert "ablation" not in table and "unbounded" not in table  # no baseline / no bound
     page = tmp_path / "b.md"
-    page.write_text("a\n<!-- bound:begin -->\nold\n<!-- bound:end -->\nb\n")
+    page.write_text("a\n<!-- bound:begin -->\nstale\n<!-- bound:end -->\nb\n")
     assert write_bound_block(page, {"run": run})
-    assert "old" not in page.read_text() and "| run |" in page.read_text()
+    assert "stale" not in page.read_text() and "| run |" in page.read_text()
     assert not write_bound_block(_unmarked(tmp_path), {"run": run})

@@ -23,6 +23,10 @@ from typing import Any
 from qlm.tooling.simulator.report import HINDSIGHT, SUMMARY_JSON
 
 SLACK_POINTS = 1.0  # qlm may trail a baseline by this much (sampling noise between policies)
+# A run named RUN + this suffix, made with --clairvoyant, is RUN's clairvoyant twin: qlm alone,
+# told every true output length as max_tokens. It splits RUN's distance to the hindsight bound
+# into what knowing the lengths is worth and the rest; it has no row of its own.
+CLAIRVOYANT_TWIN = "-clairvoyant"
 SPEED_RATIO_MAX = 2.0  # issue 17: qlm's simulator wall time at most this times EDF's
 QLM = "qlm"
 
@@ -167,10 +171,26 @@ def load_summaries(root: Path, runs: Sequence[str] | None = None) -> dict[str, d
     return out
 
 
+def clairvoyant_twin(
+    summaries: Mapping[str, Mapping[str, Any]], name: str
+) -> Mapping[str, Any] | None:
+    """The clairvoyant twin of run ``name`` (:data:`CLAIRVOYANT_TWIN`), if there is one."""
+    twin = summaries.get(name + CLAIRVOYANT_TWIN)
+    return twin if twin is not None and twin.get("clairvoyant_max_tokens") else None
+
+
+def _is_twin(summaries: Mapping[str, Mapping[str, Any]], name: str) -> bool:
+    base = name.removesuffix(CLAIRVOYANT_TWIN)
+    return base != name and base in summaries and clairvoyant_twin(summaries, base) is not None
+
+
 def glance_rows(summaries: Mapping[str, Mapping[str, Any]]) -> list[GlanceRow]:
-    """One row per run, named by its folder (a scenario can have several runs)."""
+    """One row per run, named by its folder (a scenario can have several runs); a run's
+    clairvoyant twin has none (it appears in the bound table)."""
     rows = []
     for name, summary in summaries.items():
+        if _is_twin(summaries, name):
+            continue
         row = glance_row(summary)
         rows.append(GlanceRow(**{**row.__dict__, "scenario": name}))
     return rows
@@ -334,12 +354,14 @@ def bound_gap_markdown(summaries: Mapping[str, Mapping[str, Any]]) -> str:
     """Issue 17's distance to the limit, per run with qlm and a hindsight bound: at how many
     points qlm is within BOUND_GAP_MAX points of the bound, the point where it is farthest, and
     what the best column of the run (any policy) reached there. A best column as far from the
-    bound as qlm says the distance is mostly the relaxation's (docs/simulator.md)."""
+    bound as qlm says the distance is mostly the relaxation's (docs/simulator.md). Where the run
+    has a clairvoyant twin, its qlm there too: what knowing every output length would close."""
     head = (
         "| scenario | points within "
-        f"{BOUND_GAP_MAX:g} | farthest point | qlm % | best column there % | bound % "
+        f"{BOUND_GAP_MAX:g} | farthest point | qlm % | best column there % "
+        "| qlm told the lengths % | bound % "
         f"| qlm's gap | target ≤ {BOUND_GAP_MAX:g} |\n"
-        "|---|---:|---|---:|---|---:|---:|---|\n"
+        "|---|---:|---|---:|---|---:|---:|---:|---|\n"
     )
     lines = []
     for name, summary in summaries.items():
@@ -364,10 +386,15 @@ def bound_gap_markdown(summaries: Mapping[str, Mapping[str, Any]]) -> str:
         )
         within = sum(1 for g, _ in gaps if g <= BOUND_GAP_MAX)
         label = labels[k] if k is not None else "–"
+        twin = clairvoyant_twin(summaries, name)
+        told = None
+        if twin is not None and _labels(twin) == labels and QLM in twin.get("policies", {}):
+            told = _pct(_at(twin["policies"][QLM].get("slo_attainment"), k))
         lines.append(
             f"| {name} | {within} of {len(gaps)} | {label} "
             f"| {_fmt(_pct(_at(policies[QLM].get('slo_attainment'), k)))} "
-            f"| {best_name} {_fmt(best)} | {_fmt(_pct(_at(bound_series, k)))} | {gap:.1f} "
+            f"| {best_name} {_fmt(best)} | {_fmt(told)} "
+            f"| {_fmt(_pct(_at(bound_series, k)))} | {gap:.1f} "
             f"| {'met' if gap <= BOUND_GAP_MAX else '**missed**'} |"
         )
     return head + "\n".join(lines) + "\n"
