@@ -75,6 +75,7 @@ class HttpSettings:
     """How qlm talks to one server. ``None`` means: ask the server."""
 
     kv_threshold: float = KV_SATURATED_FRACTION  # wants() returns 0 at this KV use
+    pull_at_most: int = WANTS_AT_MOST  # wants() asks for at most this many at once
     metrics_interval_s: float = 0.5  # /metrics poll period
     start_timeout_s: float = 10.0  # start() waits this long for the server to answer
     request_timeout_s: float = 30.0  # connect / non-streaming calls; a stream has no read limit
@@ -91,6 +92,8 @@ class HttpSettings:
     def __post_init__(self) -> None:
         if not 0 < self.kv_threshold <= 1:
             raise ValueError("kv_threshold must be in (0, 1]")
+        if self.pull_at_most < 1:
+            raise ValueError("pull_at_most must be >= 1")
         if self.metrics_interval_s <= 0 or self.request_timeout_s <= 0:
             raise ValueError("metrics_interval_s and request_timeout_s must be > 0")
         if self.max_batch_size is not None and self.max_batch_size < 1:
@@ -722,7 +725,8 @@ class HttpEngine(EngineBackend):
         running, waiting = self._server_counts()
         if waiting > 0 or self._snap.kv_usage >= self.settings.kv_threshold:
             return 0
-        return max(0, min(WANTS_AT_MOST, self._max_batch - max(running, len(self._live))))
+        pull = self.settings.pull_at_most
+        return max(0, min(pull, self._max_batch - max(running, len(self._live))))
 
     # ---- model placement (warm start LSO) ---------------------------------------------
 

@@ -41,6 +41,7 @@ from qlm.agents.engine import (
 )
 from qlm.engine_model import KV_BLOCK_TOKENS, EngineProfile, get_profile
 from qlm.engine_scheduler import (
+    WANTS_AT_MOST,
     EngineLimits,
     EngineScheduler,
     EngineSeq,
@@ -91,6 +92,7 @@ class SimEngine(EngineBackend):
         time_scale: float = 1.0,
         kv_capacity_tokens: int | None = None,
         max_batch_size: int | None = None,
+        pull_at_most: int = WANTS_AT_MOST,
         seed: int = 0,
         clock: Callable[[], float] = time.time,
         tp: int | None = None,
@@ -132,7 +134,10 @@ class SimEngine(EngineBackend):
         self._streaming: dict[str, _SimRequest] = {}
         # nothing is resident until start() loads the first model
         self._engine: EngineScheduler[_SimRequest] = EngineScheduler(
-            f"sim-{gpu_type}", self._limits[models[0]], active_model=None
+            f"sim-{gpu_type}",
+            self._limits[models[0]],
+            active_model=None,
+            pull_at_most=pull_at_most,
         )
         self._residency = ModelResidency(self._profiles)
         self._preload: str | None = None  # the plan's next model, loaded when idle

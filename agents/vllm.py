@@ -91,6 +91,7 @@ class VllmSettings:
     kv_cache_memory_bytes: int | None = None  # per engine; else gpu_memory_utilization
     gpu_memory_utilization: float = 0.85  # CUDA, per engine (engines start while others sleep)
     kv_threshold: float = KV_SATURATED_FRACTION  # wants() returns 0 at this KV use
+    pull_at_most: int = WANTS_AT_MOST  # wants() asks for at most this many at once
     kv_offload_gib: float | None = None  # CUDA: CPU KV pool per engine (swap LSO)
     sleep_level_warm: int = 1
     enforce_eager: bool = False
@@ -107,6 +108,8 @@ class VllmSettings:
             raise ValueError("max_model_len must be >= 2 and max_num_seqs >= 1")
         if not 0 < self.kv_threshold <= 1:
             raise ValueError("kv_threshold must be in (0, 1]")
+        if self.pull_at_most < 1:
+            raise ValueError("pull_at_most must be >= 1")
         if self.kv_offload_gib is not None and self.kv_offload_gib <= 0:
             raise ValueError("kv_offload_gib must be > 0")
 
@@ -704,7 +707,7 @@ class VllmEngine(EngineBackend):
                 m.stats.waiting > 0 or m.stats.kv_usage >= self.settings.kv_threshold
             ):
                 return 0
-        return max(0, min(WANTS_AT_MOST, self.settings.max_num_seqs - len(self._live)))
+        return max(0, min(self.settings.pull_at_most, self.settings.max_num_seqs - len(self._live)))
 
     # ---- model placement (warm start LSO) ---------------------------------------------
 

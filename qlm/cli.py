@@ -310,6 +310,15 @@ def agent(
     ] = None,
     max_model_len: Annotated[int, typer.Option(help="vllm: context length")] = 2048,
     max_num_seqs: Annotated[int, typer.Option(help="vllm: engine batch cap")] = 64,
+    pull_at_most: Annotated[
+        int | None,
+        typer.Option(
+            help="requests pulled at once while the engine's waiting queue is empty, every "
+            "backend (default 8; fewer spread prompts over more iterations: "
+            "docs/benchmarks.md, 'Pull size')",
+            min=1,
+        ),
+    ] = None,
     kv_cache_mb: Annotated[
         int | None, typer.Option(help="vllm: KV cache per engine in MiB (default: vLLM's)")
     ] = None,
@@ -356,6 +365,7 @@ def agent(
 ) -> None:
     """Run an agent that hosts one engine instance per GPU and serves what it is dispatched."""
     from qlm.catalog import canonical_gpu
+    from qlm.engine_scheduler import WANTS_AT_MOST
 
     gate = _admission_gate(admission, usl)  # bad options fail before anything starts
     budget = _output_budget(admission, saber_expected_tokens)
@@ -378,6 +388,7 @@ def agent(
         time_scale=time_scale,
         seed=seed,
         model_paths=paths,
+        pull_at_most=pull_at_most or WANTS_AT_MOST,
         vllm_options={
             "max_model_len": max_model_len,
             "max_num_seqs": max_num_seqs,
@@ -431,12 +442,18 @@ def _make_engines(
     model_paths: dict[str, str],
     vllm_options: dict[str, Any],
     servers: list[str] | None = None,
+    pull_at_most: int | None = None,
 ) -> list[Any]:
+    from qlm.engine_scheduler import WANTS_AT_MOST
+
+    pull_at_most = pull_at_most or WANTS_AT_MOST
     if backend == "http":  # the servers say which models: --models and --gpus do not apply
         from qlm.agents.http import HttpSettings, make_http_engines
 
         try:
-            http_settings = HttpSettings(api_key=os.environ.get("QLM_HTTP_API_KEY") or None)
+            http_settings = HttpSettings(
+                api_key=os.environ.get("QLM_HTTP_API_KEY") or None, pull_at_most=pull_at_most
+            )
             return list(make_http_engines(servers or [], http_settings))
         except ValueError as exc:
             raise typer.BadParameter(str(exc)) from exc
@@ -449,7 +466,13 @@ def _make_engines(
 
         try:
             return [
-                SimEngine(gpu_type, models, time_scale=time_scale, seed=seed + i)
+                SimEngine(
+                    gpu_type,
+                    models,
+                    time_scale=time_scale,
+                    seed=seed + i,
+                    pull_at_most=pull_at_most,
+                )
                 for i in range(gpus)
             ]
         except (KeyError, ValueError) as exc:
@@ -461,7 +484,7 @@ def _make_engines(
         if problem is not None:
             raise typer.BadParameter(problem)
         try:
-            settings = VllmSettings(**vllm_options)
+            settings = VllmSettings(**vllm_options, pull_at_most=pull_at_most)
         except ValueError as exc:
             raise typer.BadParameter(str(exc)) from exc
         return [VllmEngine({m: model_paths[m] for m in models}, settings) for _ in range(gpus)]

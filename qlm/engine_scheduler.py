@@ -55,7 +55,10 @@ from qlm.engine_model import EngineProfile
 
 # The agent's admission control: pull at most this many requests at once (so pulled work stays
 # ordered upstream, in the coordinator's virtual queue), and only while the engine's waiting
-# queue is empty and its KV usage is at most this fraction of the cache.
+# queue is empty and its KV usage is at most this fraction of the cache. The pull size is the
+# agent's setting (`qlm agent --pull-at-most`, a pool's `pull_at_most` in a scenario); this is
+# its default. Smaller pulls spread prompts over more iterations (docs/benchmarks.md,
+# "Pull size").
 WANTS_AT_MOST = 8
 KV_SATURATED_FRACTION = 0.9
 
@@ -176,12 +179,16 @@ class EngineScheduler(Generic[S]):
         *,
         active_model: str | None,
         static_batch: int | None = None,
+        pull_at_most: int = WANTS_AT_MOST,
     ) -> None:
+        if pull_at_most < 1:
+            raise ValueError(f"pull_at_most must be >= 1, got {pull_at_most}")
         self.engine_id = engine_id
         self.limits = limits
         self.active_model = active_model
         self.loading: str | None = None
         self.static_batch = static_batch
+        self.pull_at_most = pull_at_most
         self.running: dict[S, None] = {}  # admission order (the last is preempted first)
         self.prefilling: dict[S, None] = {}  # running, prompt (or recompute) not done
         self.waiting: deque[S] = deque()
@@ -210,7 +217,7 @@ class EngineScheduler(Generic[S]):
     def wants(self) -> int:
         """How many requests the agent pulls now: none while a model loads or requests wait;
         for a static batch, a whole batch once the last one finished; otherwise up to
-        :data:`WANTS_AT_MOST` free batch slots while the KV cache is not saturated."""
+        ``pull_at_most`` free batch slots while the KV cache is not saturated."""
         if self.loading is not None or self.waiting:
             return 0
         if self.static_batch is not None:
@@ -218,7 +225,7 @@ class EngineScheduler(Generic[S]):
         limits = self.limits
         if self.kv_used > KV_SATURATED_FRACTION * limits.kv_capacity_tokens:
             return 0
-        return max(0, min(WANTS_AT_MOST, limits.max_batch_size - len(self.running)))
+        return max(0, min(self.pull_at_most, limits.max_batch_size - len(self.running)))
 
     # ------------------------------------------------------------------ inputs
     def add(self, seq: S) -> None:

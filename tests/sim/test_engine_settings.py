@@ -5,6 +5,7 @@ whose measured profiles it registered (qlm.engine_model.register_measured_profil
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -15,10 +16,19 @@ from qlm.engine_model import (
     measured_profiles,
     register_measured_profile,
 )
+from qlm.engine_scheduler import WANTS_AT_MOST, EngineLimits, EngineScheduler
 from qlm.estimator import engine_profile
-from qlm.tooling.simulator.cluster import InstanceSpec, instance_profiles
+from qlm.planner import create_policy
+from qlm.tooling.simulator.cluster import (
+    ClusterSimulator,
+    InstanceSpec,
+    SimConfig,
+    instance_profiles,
+)
+from qlm.tooling.simulator.instance import SimInstance
 from qlm.tooling.simulator.runner import engine_settings_known, instance_specs
 from qlm.tooling.simulator.scenario import ScenarioSpec
+from qlm.tooling.simulator.workload import SimRequest
 
 GPU, MODEL = "A100-80GB", "mistral-7b"
 
@@ -28,6 +38,27 @@ def _no_measured_profiles() -> Iterator[None]:
     clear_measured_profiles()
     yield
     clear_measured_profiles()
+
+
+def _one_pool(**pool: Any) -> ScenarioSpec:
+    """A scenario of one pool of GPU/MODEL with these fields, and one chat stream."""
+    return ScenarioSpec.model_validate(
+        {
+            "name": "t",
+            "duration_s": 60,
+            "pools": [{"gpu": GPU, "models": [MODEL], **pool}],
+            "streams": [
+                {
+                    "name": "chat",
+                    "models": [MODEL],
+                    "slo_class": "interactive",
+                    "e2e_slo_s": 20,
+                    "arrival": {"process": "poisson", "rate_rps": 2.0},
+                    "lengths": {"source": "sharegpt"},
+                }
+            ],
+        }
+    )
 
 
 def _instance(iid: str, budget: int | None) -> InstanceSpec:
@@ -46,24 +77,7 @@ def test_a_registered_profile_reaches_the_estimators_and_planners_cached_lookups
 
 
 def test_a_pools_token_budget_is_its_engines_and_its_scenario_field() -> None:
-    spec = ScenarioSpec.model_validate(
-        {
-            "name": "t",
-            "duration_s": 60,
-            "pools": [{"gpu": GPU, "count": 2, "models": [MODEL], "max_num_batched_tokens": 512}],
-            "streams": [
-                {
-                    "name": "chat",
-                    "models": [MODEL],
-                    "slo_class": "interactive",
-                    "e2e_slo_s": 20,
-                    "arrival": {"process": "poisson", "rate_rps": 2.0},
-                    "lengths": {"source": "sharegpt"},
-                }
-            ],
-        }
-    )
-    specs = instance_specs(spec)
+    specs = instance_specs(_one_pool(count=2, max_num_batched_tokens=512))
     assert [s.max_num_batched_tokens for s in specs] == [512, 512]
     assert instance_profiles(specs[0], {})[MODEL].max_num_batched_tokens == 512
     assert instance_profiles(_instance("x", None), {})[MODEL].max_num_batched_tokens == 2048
@@ -88,3 +102,61 @@ def test_instances_of_one_gpu_type_and_model_must_share_a_budget() -> None:
     ):
         pass  # pragma: no cover
     assert measured_profiles() == {}
+
+
+# ------------------------------------------------------------------ the agents' pull size
+
+
+def _burst(n: int) -> list[SimRequest]:
+    return [
+        SimRequest(
+            request_id=f"r{k}",
+            model=MODEL,
+            arrival_s=0.0,
+            prompt_tokens=600,
+            output_tokens=20,
+            max_tokens=1024,
+            slo_class="interactive",
+            e2e_slo_s=60.0,
+            ttft_slo_s=None,
+            stream="chat",
+        )
+        for k in range(n)
+    ]
+
+
+@pytest.mark.parametrize("pull", [None, 1, 3])
+def test_a_pools_pull_size_bounds_what_its_engines_are_handed_at_once(
+    pull: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Twelve prompts at once: the agent hands its engine at most ``pull`` of them between two
+    iteration starts (WANTS_AT_MOST without the pool's field), and all are served."""
+    (instance,) = instance_specs(_one_pool(count=1, pull_at_most=pull))
+    assert instance.pull_at_most == pull
+    # requests handed to the engine between two iteration starts
+    handed: list[int] = [0]
+    enqueue, start_next = SimInstance.enqueue, SimInstance._start_next
+
+    def recording_enqueue(self: SimInstance, jobs: list[Any], now: float) -> None:
+        handed[-1] += len(jobs)
+        enqueue(self, jobs, now)
+
+    def recording_start(self: SimInstance, now: float) -> None:
+        handed.append(0)
+        start_next(self, now)
+
+    monkeypatch.setattr(SimInstance, "enqueue", recording_enqueue)
+    monkeypatch.setattr(SimInstance, "_start_next", recording_start)
+    sim = ClusterSimulator([instance], create_policy("fcfs"), _burst(12), SimConfig())
+    assert sim.instances[instance.instance_id].engine.pull_at_most == (pull or WANTS_AT_MOST)
+    result = sim.run()
+    assert len(result.outcomes) == 12 and sum(handed) == 12
+    # at most one pull between two iterations; a whole one but for the first request of a
+    # pull, which may start an iteration of its own
+    size = pull or WANTS_AT_MOST
+    assert size - 1 <= max(handed) <= size
+
+
+def test_a_pull_size_below_one_is_refused() -> None:
+    with pytest.raises(ValueError, match="pull_at_most"):
+        EngineScheduler("e", EngineLimits(1000, 8, 2048), active_model=MODEL, pull_at_most=0)

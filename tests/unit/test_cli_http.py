@@ -13,20 +13,22 @@ from typer.testing import CliRunner
 
 from qlm import cli
 from qlm.agents.http import HttpEngine, HttpSettings, make_http_engines, parse_servers
+from qlm.engine_scheduler import WANTS_AT_MOST
 from tests.models_server import models_server
 
 
-def _make(servers: list[str], backend: str = "http") -> list[Any]:
+def _make(servers: list[str], backend: str = "http", pull_at_most: int | None = None) -> list[Any]:
     return cli._make_engines(
         backend,
         1,
         "A10",
-        ["ignored"],
+        ["tiny-llama"] if backend == "sim" else ["ignored"],
         time_scale=1.0,
         seed=0,
         model_paths={},
         vllm_options={},
         servers=servers,
+        pull_at_most=pull_at_most,
     )
 
 
@@ -68,7 +70,18 @@ def test_parse_keeps_the_order() -> None:
     ]
 
 
+def test_the_pull_size_reaches_every_backend_it_is_given_to() -> None:
+    (http,) = _make(["llama=http://h:1"], pull_at_most=2)
+    assert http.settings.pull_at_most == 2
+    (default,) = _make(["llama=http://h:1"])
+    assert default.settings.pull_at_most == WANTS_AT_MOST
+    (sim,) = _make([], backend="sim", pull_at_most=1)
+    assert sim._engine.pull_at_most == 1
+
+
 def test_settings_are_checked() -> None:
+    with pytest.raises(ValueError, match="pull_at_most"):
+        HttpSettings(pull_at_most=0)
     with pytest.raises(ValueError):
         HttpSettings(kv_threshold=0)
     with pytest.raises(ValueError):

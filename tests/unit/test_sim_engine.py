@@ -267,6 +267,17 @@ async def test_wants_goes_to_zero_when_saturated() -> None:
         assert engine.wants() == 0
 
 
+async def test_wants_is_bounded_by_the_pull_size() -> None:
+    engine = SimEngine("A10", ["tiny-llama"], time_scale=1.0, max_batch_size=4, pull_at_most=1)
+    async with running(engine) as outputs:
+        assert engine.wants() == 1
+        engine.submit(request("r0", max_tokens=4))
+        await outputs.wait_for(1)
+        assert engine.wants() == 1
+    with pytest.raises(ValueError, match="pull_at_most"):
+        SimEngine("A10", ["tiny-llama"], pull_at_most=0)
+
+
 async def test_same_seed_same_outputs() -> None:
     async def run(seed: int) -> dict[str, list[int]]:
         engine = SimEngine("A100-80GB", ["tiny-llama"], time_scale=5.0, seed=seed)

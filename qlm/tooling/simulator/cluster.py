@@ -61,6 +61,7 @@ from qlm.control import Completion, Evicted, Heartbeat, InstanceInfo, InstanceSt
 from qlm.coordinator.core import BatchCapOrder, CoordinatorCore, LSOSettings
 from qlm.coordinator.outcome import task_met
 from qlm.engine_model import EngineProfile, get_profile
+from qlm.engine_scheduler import WANTS_AT_MOST
 from qlm.policy import Plan, PlanRequest, QueuePolicy
 from qlm.service_gain import service_gain
 from qlm.tooling.simulator.instance import SimInstance, SimJob
@@ -85,6 +86,8 @@ class InstanceSpec:
     max_num_seqs: int | None = None  # the engine's batch cap (vLLM --max-num-seqs) if not default
     # the engine's per-iteration token budget (vLLM --max-num-batched-tokens) if not default
     max_num_batched_tokens: int | None = None
+    # the agent's pull size (qlm agent --pull-at-most) if not default
+    pull_at_most: int | None = None
 
 
 @dataclass(frozen=True)
@@ -477,6 +480,7 @@ class ClusterSimulator:
             warm_start=self.config.lso.warm_start,
             static_batch=self.config.static_batch,
             max_decode_run=self.config.max_decode_run,
+            pull_at_most=spec.pull_at_most or WANTS_AT_MOST,
         )
 
     def _check_speed_models(self, instances: Sequence[InstanceSpec]) -> None:

@@ -24,7 +24,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from qlm.engine_model import EngineProfile
-from qlm.engine_scheduler import EngineLimits, EngineScheduler, EngineSeq, ModelResidency, Step
+from qlm.engine_scheduler import (
+    WANTS_AT_MOST,
+    EngineLimits,
+    EngineScheduler,
+    EngineSeq,
+    ModelResidency,
+    Step,
+)
 from qlm.policy import PlanInstance, PlanRequest
 from qlm.tooling.simulator.workload import SimRequest
 
@@ -73,6 +80,7 @@ class SimInstance:
         warm_start: bool = False,
         static_batch: int | None = None,
         max_decode_run: int | None = None,
+        pull_at_most: int = WANTS_AT_MOST,
     ) -> None:
         self.instance_id = instance_id
         self.gpu_type = gpu_type
@@ -91,6 +99,7 @@ class SimInstance:
             EngineLimits.of(profiles[models[0]]),
             active_model=models[0],
             static_batch=static_batch,
+            pull_at_most=pull_at_most,
         )
         # host-memory copies of model weights (the whole host budget: warm models and
         # swapped KV; the plan's warm list replaces the current one)

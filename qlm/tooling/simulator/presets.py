@@ -165,6 +165,11 @@ PRESETS: dict[str, Preset] = {
             "20-s class is mostly feasible",
         ),
         Preset(
+            "wb-pull1",
+            "wb with the agents pulling one request at a time: what the pull size is worth to "
+            "every policy behind an agent",
+        ),
+        Preset(
             "wb-ablation",
             "removing each default LSO lowers attainment or throughput by > 1 sd; adding one "
             "that is off raises neither",
@@ -192,11 +197,13 @@ PRESETS: dict[str, Preset] = {
             record_estimates=True,
         ),
         Preset("trace", "Azure conv + code replay, two SLO classes"),
+        Preset("trace-pull1", "trace with the agents pulling one request at a time"),
         Preset(
             "mixed",
             "qlm (the default): service gain >= 1.3x fcfs and SLO goodput >= every baseline's "
             "at the overload points",
         ),
+        Preset("mixed-pull1", "mixed with the agents pulling one request at a time"),
         Preset("scale", "1 h of 100 GPUs (>= 1M requests) in <= 5 min, <= 4 GB"),
         Preset(
             "saber",

@@ -168,6 +168,7 @@ def instance_specs(spec: ScenarioSpec) -> list[InstanceSpec]:
                     profiles=tuple(load_profile(p) for p in pool.profiles),
                     max_num_seqs=pool.max_num_seqs,
                     max_num_batched_tokens=pool.max_num_batched_tokens,
+                    pull_at_most=pool.pull_at_most,
                 )
             )
     return out

@@ -90,6 +90,9 @@ class PoolSpec(_Strict):
     # the engine's per-iteration token budget, which is also its chunked-prefill chunk (vLLM
     # --max-num-batched-tokens); None: vLLM's default for the GPU (2048 on an A100)
     max_num_batched_tokens: int | None = Field(default=None, ge=1)
+    # the pool's agents pull at most this many requests at once (qlm agent --pull-at-most);
+    # None: the agent's default, qlm.engine_scheduler.WANTS_AT_MOST (8)
+    pull_at_most: int | None = Field(default=None, ge=1)
 
     @model_validator(mode="after")
     def _profiles_match(self) -> Self:
