@@ -79,9 +79,20 @@ def test_the_pull_size_reaches_every_backend_it_is_given_to() -> None:
     assert sim._engine.pull_at_most == 1
 
 
+def test_every_backend_refuses_a_pull_size_below_one() -> None:
+    from qlm.agents.sim import SimEngine
+    from qlm.agents.vllm import VllmSettings
+
+    for make in (
+        lambda: HttpSettings(pull_at_most=0),
+        lambda: VllmSettings(pull_at_most=0),
+        lambda: SimEngine("A10", ["tiny-llama"], pull_at_most=0),
+    ):
+        with pytest.raises(ValueError, match="pull_at_most"):
+            make()
+
+
 def test_settings_are_checked() -> None:
-    with pytest.raises(ValueError, match="pull_at_most"):
-        HttpSettings(pull_at_most=0)
     with pytest.raises(ValueError):
         HttpSettings(kv_threshold=0)
     with pytest.raises(ValueError):
