@@ -1220,6 +1220,10 @@ def bench_gateway(
         float | None,
         typer.Option(help="sim agent speed-up of the private stack (default 20; --stream: 1)"),
     ] = None,
+    pull_at_most: Annotated[
+        int | None,
+        typer.Option(help="the private stack's agent pull size (default: the agent's)", min=1),
+    ] = None,
     json_out: Annotated[Path | None, typer.Option("--json")] = None,
     progress: Annotated[bool, typer.Option(help="requests done, on a terminal")] = True,
 ) -> None:
@@ -1228,6 +1232,8 @@ def bench_gateway(
     the target is missed or every request failed."""
     from qlm.tooling.bench_gateway import run_gateway_bench
 
+    if running and pull_at_most is not None:
+        raise typer.BadParameter("--pull-at-most sets the private stack's agent, not --running's")
     s = _settings()
     _setup_logging(s, "bench")
     try:
@@ -1242,6 +1248,7 @@ def bench_gateway(
                 stream=stream,
                 concurrency=concurrency,
                 progress=progress,
+                pull_at_most=pull_at_most,
             )
         )
     except ValueError as e:

@@ -381,6 +381,7 @@ async def run_gateway_bench(
     stream: bool = False,
     concurrency: int = 50,
     progress: bool = False,
+    pull_at_most: int | None = None,
 ) -> dict[str, Any]:
     """p50/p95 latency of ``requests`` calls through the gateway and as many direct
     ``QlmClient`` requests, and the difference (``added_ms``), in milliseconds.
@@ -388,7 +389,8 @@ async def run_gateway_bench(
     ``amqp_url``: a running stack (a coordinator and agents serving ``model``) to measure
     against. None: a private one on a fresh vhost of the local broker (``QLM_AMQP_URL`` or the
     private node): a coordinator and one sim H100 agent at ``time_scale``, stopped afterwards.
-    ``progress``: a bar of the requests done on stderr, on a terminal only.
+    ``progress``: a bar of the requests done on stderr, on a terminal only. ``pull_at_most``:
+    the private agent's pull size (``qlm agent --pull-at-most``; None: its default).
     """
     if requests < 1 or warmup < 0 or concurrency < 1:
         raise ValueError("requests and concurrency must be ≥ 1 and warmup ≥ 0")
@@ -429,6 +431,9 @@ async def run_gateway_bench(
                     "gpu_type": "H100-80GB",
                     "models": [model],
                     "time_scale": time_scale,
+                    "extra_args": []
+                    if pull_at_most is None
+                    else ["--pull-at-most", str(pull_at_most)],
                 }
             ],
         )
@@ -438,4 +443,5 @@ async def run_gateway_bench(
         finally:
             cluster.stop()
     result["time_scale"] = time_scale
+    result["pull_at_most"] = pull_at_most
     return result
