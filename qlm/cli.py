@@ -365,7 +365,6 @@ def agent(
 ) -> None:
     """Run an agent that hosts one engine instance per GPU and serves what it is dispatched."""
     from qlm.catalog import canonical_gpu
-    from qlm.engine_scheduler import WANTS_AT_MOST
 
     gate = _admission_gate(admission, usl)  # bad options fail before anything starts
     budget = _output_budget(admission, saber_expected_tokens)
@@ -388,7 +387,7 @@ def agent(
         time_scale=time_scale,
         seed=seed,
         model_paths=paths,
-        pull_at_most=pull_at_most or WANTS_AT_MOST,
+        pull_at_most=pull_at_most,
         vllm_options={
             "max_model_len": max_model_len,
             "max_num_seqs": max_num_seqs,
