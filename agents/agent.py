@@ -105,9 +105,13 @@ class Agent:
         admission_gate: SLOAdmissionGate | None = None,
         cpu_memory_gb: float | None = None,
         output_budget: OutputBudget | None = None,
+        feed_tokens: int | None = None,
     ) -> None:
         """``admission_gate``: SABER's SLO-aware admission in front of each engine (None: a
         dispatched request goes to the engine at once; the engine's own limits apply).
+        ``feed_tokens``: the prompt tokens handed to an engine each time it wants work (about
+        once an iteration; at least one request), the rest of a pull held here (None: a whole
+        pull at once).
         ``output_budget``: the tokens the gate takes a request to need (default: its
         ``max_tokens``); one that learns is fed every completion."""
         self.amqp_url = amqp_url
@@ -131,7 +135,13 @@ class Agent:
                 max_batch_size=engine.max_batch_size,
                 cpu_memory_gb=cpu_memory_gb,
             )
-            admission = PullAdmission(admission_gate, need=need, key=_request_id)
+            admission = PullAdmission(
+                admission_gate,
+                need=need,
+                key=_request_id,
+                feed_tokens=feed_tokens,
+                tokens=_prefill_tokens,
+            )
             self.instances[iid] = HostedInstance(info=info, engine=engine, admission=admission)
         self.log = log.bind(agent_id=self.agent_id)
         self._conn: AbstractRobustConnection | None = None
@@ -565,3 +575,8 @@ class _Need:
 
 def _request_id(request: EngineRequest) -> str:
     return request.request_id
+
+
+def _prefill_tokens(request: EngineRequest) -> int:
+    """What the engine prefills to start it: the prompt and any output it resumes after."""
+    return request.prompt_tokens + len(request.resume_token_ids)

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 GATE_WINDOW = 8  # how far into the dispatched requests it holds back the gate looks
+MEAN_TOKENS_WEIGHT = 0.1  # weight of the newest prompt in an agent's moving mean (feed_tokens)
 UNBOUNDED_CREDIT = 1 << 30  # credit an agent without a queue manager keeps granted
 
 R = TypeVar("R")
@@ -238,6 +239,17 @@ class PullAdmission(Generic[R]):
     # the plan's batch cap (InstanceLSO.max_in_engine): at most this many requests in the
     # engine, running or waiting there; None: what the engine takes
     cap: int | None = None
+    # Without a gate: each admission round (one starts whenever the engine wants work again,
+    # its waiting queue emptied: about once an iteration) hands the engine held requests in
+    # dispatch order while their prompt tokens (``tokens(r)``) stay within this budget, the
+    # first one always. Credit keeps about one more round's worth held (the budget over the
+    # mean prompt seen, at least one request, within what the engine wants), so the next round
+    # does not wait for a broker round trip and little is committed to this engine early.
+    # None: every dispatch goes to the engine at once. A small budget keeps prompts from
+    # filling an iteration with compute-bound prefill chunks that every running request waits
+    # through (docs/benchmarks.md, "Pull size").
+    feed_tokens: int | None = None
+    tokens: Callable[[R], int] = field(default=lambda r: 1)
     owed: int = 0  # credit granted to the coordinator and not yet used by a dispatch
     received: int = 0  # dispatches received, ever (heartbeats report it)
     demoted: int = 0  # held requests moved to the best-effort tier, ever
@@ -246,6 +258,18 @@ class PullAdmission(Generic[R]):
     frozen: dict[str, float] = field(default_factory=dict)
     # max-heap of (-frozen speed, request id); entries no longer in ``frozen`` are skipped
     _floor: list[tuple[float, str]] = field(default_factory=list)
+    _room: int = 0  # the most the engine wanted at a feed since the last credit (feed_tokens)
+    _mean_tokens: float = 0.0  # moving mean of the dispatched prompts (feed_tokens)
+    # the open feed round: prompt tokens and requests it may still take, requests it took
+    _round_tokens: int = 0
+    _round_slots: int = 0
+    _round_fed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.feed_tokens is not None and self.feed_tokens < 1:
+            raise ValueError(f"feed_tokens must be >= 1, got {self.feed_tokens}")
+        if self.feed_tokens is not None and self.gate is not None:
+            raise ValueError("feed_tokens paces an agent without a gate (a gate admits itself)")
 
     def credit_wanted(self, engine_wants: int, in_engine: int = 0) -> int:
         """Credit to grant now, given how many requests the engine wants: what it wants less
@@ -257,6 +281,12 @@ class PullAdmission(Generic[R]):
         if self.unbounded:
             return max(0, UNBOUNDED_CREDIT - self.owed)
         want = engine_wants - self.owed
+        if self.feed_tokens is not None:
+            # the engine's room as the last feed saw it (a feed fills its waiting queue, so it
+            # wants nothing right after); within it, what is held and owed tops up to about
+            # one round ahead
+            room, self._room = max(engine_wants, self._room), 0
+            want = min(room, len(self.held) + self._round_ahead()) - len(self.held) - self.owed
         if self.cap is not None:
             want = min(want, self.cap - in_engine - len(self.held) - self.owed)
         if self.gate is not None:
@@ -274,7 +304,11 @@ class PullAdmission(Generic[R]):
         or is held for the gate (the caller runs :meth:`admit` next)."""
         self.owed = max(0, self.owed - 1)
         self.received += 1
-        if self.gate is None:
+        if self.feed_tokens is not None:
+            size = self.tokens(request)
+            mean = self._mean_tokens
+            self._mean_tokens = size if mean == 0 else mean + MEAN_TOKENS_WEIGHT * (size - mean)
+        if self.gate is None and self.feed_tokens is None:
             submit(request)
         else:
             self.held.append(request)
@@ -303,6 +337,7 @@ class PullAdmission(Generic[R]):
         and, unless ``strict``, only while they slow no running request below its need."""
         gate = self.gate
         if gate is None:
+            self._feed(wants, submit)
             return
         need = self.need
         for r in [r for r in self.held if gate.best_effort(need(r, now))]:
@@ -331,6 +366,39 @@ class PullAdmission(Generic[R]):
             self._freeze(self.key(chosen), 0.0 if gate.best_effort(speed) else speed)
             floor = max(floor, self.frozen[self.key(chosen)])
             submit(chosen)
+
+    def _round_ahead(self) -> int:
+        """Requests to ask for so that one feed round's prompt tokens are held: the budget
+        not yet covered, over the mean prompt; at least one while nothing is held."""
+        assert self.feed_tokens is not None
+        short = self.feed_tokens - sum(self.tokens(r) for r in self.held)
+        if short <= 0:
+            return 0
+        if self._mean_tokens <= 0:
+            return 1
+        return max(1 if not self.held else 0, math.floor(short / self._mean_tokens))
+
+    def _feed(self, wants: Callable[[], int], submit: Callable[[R], None]) -> None:
+        """Without a gate: held requests in dispatch order, as many as the engine wanted when
+        the round opened and as fit ``feed_tokens`` (the round's first always); what the
+        engine wanted is remembered for the next credit."""
+        if self.feed_tokens is None:
+            return
+        room = wants()
+        self._room = max(self._room, room)  # the next credit's: what the engine wanted
+        if room > 0:  # the engine wants work: a new round
+            self._round_tokens, self._round_slots, self._round_fed = self.feed_tokens, room, 0
+        # else the round fed last stays open until the engine starts it: a request dispatched
+        # meanwhile joins it while it fits (dispatches arrive one by one)
+        held = self.held
+        while self._round_slots > 0 and held:
+            size = self.tokens(held[0])
+            if self._round_fed > 0 and size > self._round_tokens:
+                return  # the round is full: the rest waits for the next
+            self._round_tokens -= size
+            self._round_slots -= 1
+            self._round_fed += 1
+            submit(held.popleft())
 
     def in_time_queue_empty(self) -> bool:
         """SABER's high-priority queue is empty: no request in time is held here, and the

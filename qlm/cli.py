@@ -319,6 +319,15 @@ def agent(
             min=1,
         ),
     ] = None,
+    feed_tokens: Annotated[
+        int | None,
+        typer.Option(
+            help="prompt tokens handed to the engine each time it wants work (about once an "
+            "iteration; at least one request), the rest of a pull held by the agent (default: "
+            "a whole pull at once; not with --admission saber; docs/benchmarks.md, 'Pull size')",
+            min=1,
+        ),
+    ] = None,
     kv_cache_mb: Annotated[
         int | None, typer.Option(help="vllm: KV cache per engine in MiB (default: vLLM's)")
     ] = None,
@@ -367,6 +376,8 @@ def agent(
     from qlm.catalog import canonical_gpu
 
     gate = _admission_gate(admission, usl)  # bad options fail before anything starts
+    if gate is not None and feed_tokens is not None:
+        raise typer.BadParameter("--feed-tokens paces an agent without --admission saber")
     budget = _output_budget(admission, saber_expected_tokens)
     s = _settings()
     _setup_logging(s, "agent")
@@ -400,7 +411,9 @@ def agent(
         s = s.model_copy(update={"agent_health_port": health_port})
     try:
         asyncio.run(
-            _run_agent(s, backend, engines, gpu_type, agent_id, gate, budget, cpu_memory_gb)
+            _run_agent(
+                s, backend, engines, gpu_type, agent_id, gate, budget, cpu_memory_gb, feed_tokens
+            )
         )
     except Exception as exc:
         if backend != "http":
@@ -529,6 +542,7 @@ async def _run_agent(
     gate: Any,
     budget: Any,
     cpu_memory_gb: float | None,
+    feed_tokens: int | None = None,
 ) -> None:
     from qlm.agents.agent import Agent
     from qlm.catalog import gpu
@@ -548,6 +562,7 @@ async def _run_agent(
         admission_gate=gate,
         cpu_memory_gb=cpu_memory_gb,
         output_budget=budget,
+        feed_tokens=feed_tokens,
     )
     health = None
     if s.agent_health_port:  # up before the engines: /healthz answers while vLLM loads
@@ -1223,6 +1238,13 @@ def bench_gateway(
         int | None,
         typer.Option(help="the private stack's agent pull size (default: the agent's)", min=1),
     ] = None,
+    feed_tokens: Annotated[
+        int | None,
+        typer.Option(help="the private stack's agent feed budget (default: the agent's)", min=1),
+    ] = None,
+    prompt_tokens: Annotated[
+        int, typer.Option(help="every request's prompt length in tokens", min=1)
+    ] = 32,
     json_out: Annotated[Path | None, typer.Option("--json")] = None,
     progress: Annotated[bool, typer.Option(help="requests done, on a terminal")] = True,
 ) -> None:
@@ -1231,8 +1253,10 @@ def bench_gateway(
     the target is missed or every request failed."""
     from qlm.tooling.bench_gateway import run_gateway_bench
 
-    if running and pull_at_most is not None:
-        raise typer.BadParameter("--pull-at-most sets the private stack's agent, not --running's")
+    if running and (pull_at_most is not None or feed_tokens is not None):
+        raise typer.BadParameter(
+            "--pull-at-most and --feed-tokens set the private stack's agent, not --running's"
+        )
     s = _settings()
     _setup_logging(s, "bench")
     try:
@@ -1248,6 +1272,8 @@ def bench_gateway(
                 concurrency=concurrency,
                 progress=progress,
                 pull_at_most=pull_at_most,
+                feed_tokens=feed_tokens,
+                prompt_tokens=prompt_tokens,
             )
         )
     except ValueError as e:

@@ -41,7 +41,11 @@ TARGET_P50_MS = 5.0
 TARGET_STREAM_OVERHEAD_P50_MS = 10.0
 TARGET_STREAM_OVERHEAD_P99_MS = 50.0
 _BENCH_KEY = "qlm-bench-gateway-key-0000000000"
-_PROMPT = list(range(1, 33))  # 32 prompt tokens
+PROMPT_TOKENS = 32  # the default prompt: token ids 1..32
+
+
+def _prompt(tokens: int) -> list[int]:
+    return [1 + k % 32 for k in range(tokens)]
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -65,6 +69,7 @@ async def _measure(
     max_tokens: int,
     timeout_s: float,
     progress: bool = False,
+    prompt_tokens: int = PROMPT_TOKENS,
 ) -> dict[str, Any]:
     import httpx
 
@@ -87,7 +92,7 @@ async def _measure(
     done = 0
     body = {
         "model": model,
-        "prompt": _PROMPT,
+        "prompt": _prompt(prompt_tokens),
         "max_tokens": max_tokens,
         "temperature": 0,
         "qlm_slo_ms": 60_000,
@@ -106,7 +111,7 @@ async def _measure(
                 req = RequestMessage(
                     request_id=f"bench-direct-{i}",
                     model=model,
-                    prompt_token_ids=_PROMPT,
+                    prompt_token_ids=_prompt(prompt_tokens),
                     max_tokens=max_tokens,
                     sampling=SamplingParams(temperature=0.0),
                     slo=SLO(e2e_ms=60_000),
@@ -257,6 +262,7 @@ async def _measure_stream(
     max_tokens: int,
     timeout_s: float,
     progress: bool = False,
+    prompt_tokens: int = PROMPT_TOKENS,
 ) -> dict[str, Any]:
     import asyncio
     import json
@@ -269,7 +275,7 @@ async def _measure_stream(
     gateway_url, gateway = await _start_gateway_process(amqp_url, timeout_s)
     body = {
         "model": model,
-        "prompt": _PROMPT,
+        "prompt": _prompt(prompt_tokens),
         "max_tokens": max_tokens,
         "temperature": 0,
         "qlm_slo_ms": 600_000,
@@ -382,6 +388,8 @@ async def run_gateway_bench(
     concurrency: int = 50,
     progress: bool = False,
     pull_at_most: int | None = None,
+    feed_tokens: int | None = None,
+    prompt_tokens: int = PROMPT_TOKENS,
 ) -> dict[str, Any]:
     """p50/p95 latency of ``requests`` calls through the gateway and as many direct
     ``QlmClient`` requests, and the difference (``added_ms``), in milliseconds.
@@ -390,10 +398,12 @@ async def run_gateway_bench(
     against. None: a private one on a fresh vhost of the local broker (``QLM_AMQP_URL`` or the
     private node): a coordinator and one sim H100 agent at ``time_scale``, stopped afterwards.
     ``progress``: a bar of the requests done on stderr, on a terminal only. ``pull_at_most``:
-    the private agent's pull size (``qlm agent --pull-at-most``; None: its default).
+    the private agent's pull size (``qlm agent --pull-at-most``; None: its default);
+    ``feed_tokens`` its feed budget (``--feed-tokens``). ``prompt_tokens``: every request's
+    prompt length.
     """
-    if requests < 1 or warmup < 0 or concurrency < 1:
-        raise ValueError("requests and concurrency must be ≥ 1 and warmup ≥ 0")
+    if requests < 1 or warmup < 0 or concurrency < 1 or prompt_tokens < 1:
+        raise ValueError("requests, concurrency and prompt tokens must be ≥ 1 and warmup ≥ 0")
 
     async def measure(url: str) -> dict[str, Any]:
         if stream:
@@ -405,6 +415,7 @@ async def run_gateway_bench(
                 max_tokens=max_tokens,
                 timeout_s=timeout_s,
                 progress=progress,
+                prompt_tokens=prompt_tokens,
             )
         return await _measure(
             url,
@@ -414,6 +425,7 @@ async def run_gateway_bench(
             max_tokens=max_tokens,
             timeout_s=timeout_s,
             progress=progress,
+            prompt_tokens=prompt_tokens,
         )
 
     if amqp_url is not None:
@@ -431,9 +443,10 @@ async def run_gateway_bench(
                     "gpu_type": "H100-80GB",
                     "models": [model],
                     "time_scale": time_scale,
-                    "extra_args": []
-                    if pull_at_most is None
-                    else ["--pull-at-most", str(pull_at_most)],
+                    "extra_args": [
+                        *([] if pull_at_most is None else ["--pull-at-most", str(pull_at_most)]),
+                        *([] if feed_tokens is None else ["--feed-tokens", str(feed_tokens)]),
+                    ],
                 }
             ],
         )
@@ -444,4 +457,6 @@ async def run_gateway_bench(
             cluster.stop()
     result["time_scale"] = time_scale
     result["pull_at_most"] = pull_at_most
+    result["feed_tokens"] = feed_tokens
+    result["prompt_tokens"] = prompt_tokens
     return result

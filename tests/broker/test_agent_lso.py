@@ -279,3 +279,48 @@ async def test_the_agent_keeps_its_engine_within_the_batch_cap(
         await agent.stop()
         await coord.stop()
         await store.close()
+
+
+@pytest.mark.broker
+async def test_a_feed_budget_hands_the_engine_one_round_at_a_time(
+    isolated_amqp_url: str, tmp_path
+) -> None:  # type: ignore[no-untyped-def]
+    """qlm agent --feed-tokens over the broker: what the agent pulls waits at the agent and
+    reaches the engine at most a round (here one 600-token prompt) at a time, and every
+    request is answered once."""
+    store = await Store.open(f"sqlite+aiosqlite:///{tmp_path}/qlm.db")
+    coord = Coordinator(
+        amqp_url=isolated_amqp_url, policy=create_policy("edf"), store=store, shards=1
+    )
+    await coord.start()
+    engine = SimEngine("A100-80GB", [MODEL], time_scale=2.0, seed=3)
+    agent = Agent(
+        isolated_amqp_url, [engine], agent_id="feed", heartbeat_interval_s=0.2, feed_tokens=600
+    )
+    await agent.start()
+    admission = agent.instances["feed-gpu0"].admission
+    most_waiting = most_held = 0
+    try:
+        async with QlmClient(isolated_amqp_url) as client:
+            await wait_until(lambda: "feed-gpu0" in coord.core.instances)
+            futs = []
+            for k in range(10):
+                req = _request(f"p{k}", max_tokens=20).model_copy(
+                    update={"prompt_token_ids": list(range(600))}
+                )
+                futs.append(await client.submit(req))
+            done = asyncio.ensure_future(asyncio.gather(*(asyncio.shield(f) for f in futs)))
+            while not done.done():
+                most_waiting = max(most_waiting, engine.stats().waiting)
+                most_held = max(most_held, len(admission.held))
+                await asyncio.sleep(0.002)
+            replies = done.result()
+            assert all(isinstance(r, ResultMessage) for r in replies)
+            assert most_waiting <= 1  # one prompt a round: never two waiting in the engine
+            assert most_held >= 1  # pulled work waited at the agent for its round
+            await asyncio.sleep(0.3)
+            assert client.duplicate_count() == 0
+    finally:
+        await agent.stop()
+        await coord.stop()
+        await store.close()

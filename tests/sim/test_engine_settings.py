@@ -23,10 +23,11 @@ from qlm.tooling.simulator.cluster import (
     ClusterSimulator,
     InstanceSpec,
     SimConfig,
+    SimResult,
     instance_profiles,
 )
 from qlm.tooling.simulator.instance import SimInstance
-from qlm.tooling.simulator.runner import engine_settings_known, instance_specs
+from qlm.tooling.simulator.runner import engine_settings_known, instance_specs, sim_config
 from qlm.tooling.simulator.scenario import ScenarioSpec
 from qlm.tooling.simulator.workload import SimRequest
 
@@ -125,15 +126,11 @@ def _burst(n: int) -> list[SimRequest]:
     ]
 
 
-@pytest.mark.parametrize("pull", [None, 1, 3])
-def test_a_pools_pull_size_bounds_what_its_engines_are_handed_at_once(
-    pull: int | None, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Twelve prompts at once: the agent hands its engine at most ``pull`` of them between two
-    iteration starts (WANTS_AT_MOST without the pool's field), and all are served."""
-    (instance,) = instance_specs(_one_pool(count=1, pull_at_most=pull))
-    assert instance.pull_at_most == pull
-    # requests handed to the engine between two iteration starts
+def _handed_between_iterations(
+    instance: InstanceSpec, policy: str, monkeypatch: pytest.MonkeyPatch
+) -> tuple[ClusterSimulator, SimResult, list[int]]:
+    """Twelve prompts at once: the run, and how many requests the agent handed the engine
+    between two iteration starts."""
     handed: list[int] = [0]
     enqueue, start_next = SimInstance.enqueue, SimInstance._start_next
 
@@ -147,9 +144,20 @@ def test_a_pools_pull_size_bounds_what_its_engines_are_handed_at_once(
 
     monkeypatch.setattr(SimInstance, "enqueue", recording_enqueue)
     monkeypatch.setattr(SimInstance, "_start_next", recording_start)
-    sim = ClusterSimulator([instance], create_policy("fcfs"), _burst(12), SimConfig())
+    sim = ClusterSimulator([instance], create_policy(policy), _burst(12), SimConfig())
+    return sim, sim.run(), handed
+
+
+@pytest.mark.parametrize("pull", [None, 1, 3])
+def test_a_pools_pull_size_bounds_what_its_engines_are_handed_at_once(
+    pull: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The agent hands its engine at most ``pull`` of twelve prompts between two iteration
+    starts (WANTS_AT_MOST without the pool's field), and all are served."""
+    (instance,) = instance_specs(_one_pool(count=1, pull_at_most=pull))
+    assert instance.pull_at_most == pull
+    sim, result, handed = _handed_between_iterations(instance, "fcfs", monkeypatch)
     assert sim.instances[instance.instance_id].engine.pull_at_most == (pull or WANTS_AT_MOST)
-    result = sim.run()
     assert len(result.outcomes) == 12 and sum(handed) == 12
     # at most one pull between two iterations; a whole one but for the first request of a
     # pull, which may start an iteration of its own
@@ -157,6 +165,34 @@ def test_a_pools_pull_size_bounds_what_its_engines_are_handed_at_once(
     assert size - 1 <= max(handed) <= size
 
 
+@pytest.mark.parametrize("policy", ["fcfs", "qlm"])
+@pytest.mark.parametrize(("feed_tokens", "per_round"), [(1, 1), (1_000, 1), (1_200, 2)])
+def test_a_pools_feed_budget_bounds_what_its_engines_are_handed_per_iteration(
+    feed_tokens: int, per_round: int, policy: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the default pull, the agent holds what it pulled and hands its engine only as many
+    of twelve 600-token prompts between two iteration starts as fit ``feed_tokens`` (one
+    always); all are served, none twice."""
+    (instance,) = instance_specs(_one_pool(count=1, feed_tokens=feed_tokens))
+    assert instance.feed_tokens == feed_tokens
+    sim, result, handed = _handed_between_iterations(instance, policy, monkeypatch)
+    assert sim.agents[instance.instance_id].feed_tokens == feed_tokens
+    assert sorted(o.request_id for o in result.outcomes) == sorted(f"r{k}" for k in range(12))
+    assert sum(handed) == 12 and max(handed) == per_round
+
+
 def test_a_pull_size_below_one_is_refused() -> None:
     with pytest.raises(ValueError, match="pull_at_most"):
         EngineScheduler("e", EngineLimits(1000, 8, 2048), active_model=MODEL, pull_at_most=0)
+
+
+@pytest.mark.parametrize("policy", ["vllm", "shepherd"])
+def test_no_feed_budget_where_no_agent_holds_work(policy: str) -> None:
+    """`vllm` has no agent (every request goes to the engine at arrival) and SHEPHERD's
+    engines take whole static batches: a pool's feed budget leaves both as they are."""
+    spec = _one_pool(count=1, feed_tokens=512)
+    (instance,) = instance_specs(spec)
+    chosen = create_policy(policy)
+    sim = ClusterSimulator([instance], chosen, _burst(4), sim_config(spec, policy, chosen))
+    assert sim.agents[instance.instance_id].feed_tokens is None
+    assert len(sim.run().outcomes) == 4

@@ -88,6 +88,9 @@ class InstanceSpec:
     max_num_batched_tokens: int | None = None
     # the agent's pull size (qlm agent --pull-at-most) if not default
     pull_at_most: int | None = None
+    # the prompt tokens the agent hands its engine per round (qlm agent --feed-tokens); None:
+    # a whole pull at once
+    feed_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -258,6 +261,11 @@ def _agent_id(instance_id: str) -> str:
 
 def _job_id(job: SimJob) -> str:
     return job.request_id
+
+
+def _prefill_tokens(job: SimJob) -> int:
+    """What the engine prefills to start it: the prompt and any output it resumes after."""
+    return job.num_tokens
 
 
 @dataclass(frozen=True)
@@ -650,6 +658,14 @@ class ClusterSimulator:
             strict=self._saber,
             rng=self._rng if self._saber else None,
             unbounded=self.config.dispatch_at_arrival,
+            # no feed budget where there is no agent to hold work (`vllm`), the engine takes
+            # whole static batches (SHEPHERD) or a gate admits (as `qlm agent` refuses both)
+            feed_tokens=None
+            if self.config.dispatch_at_arrival
+            or self.config.static_batch is not None
+            or gate is not None
+            else self.lives[iid].spec.feed_tokens,
+            tokens=_prefill_tokens,
         )
         self.agents[iid] = agent
         self._all_agents.append(agent)
@@ -657,11 +673,12 @@ class ClusterSimulator:
         self._pull(inst)  # the agent's pull loop starts with the agent
 
     def _pull(self, inst: SimInstance) -> None:
-        """The agent's pull loop for one engine: the gate admits what it holds, then credit
-        for what the engine wants goes to the coordinator, which dispatches. A dispatch wakes
-        the live agent's loop at once, so it runs again until the coordinator sends nothing;
-        its last pass admits with the credit left unused (the coordinator's queue for this
-        engine is empty: the gate's best-effort tier may go)."""
+        """The agent's pull loop for one engine: the gate (or the feed budget) admits what it
+        holds, then credit for what the engine wants goes to the coordinator, which
+        dispatches. A dispatch wakes the live agent's loop at once, so with a gate or a feed
+        budget it runs again until the coordinator sends nothing; its last pass admits with
+        the credit left unused (the coordinator's queue for this engine is empty: the gate's
+        best-effort tier may go)."""
         iid = inst.instance_id
         agent = self.agents.get(iid)
         if agent is None:
@@ -682,7 +699,7 @@ class ClusterSimulator:
                 self.core.on_pull(iid, want)
             received = agent.received
             self._dispatch(iid, wake=False)
-            if agent.gate is None or agent.received == received:
+            if (agent.gate is None and agent.feed_tokens is None) or agent.received == received:
                 break
         if agent.gate is not None and agent.best_effort and agent.owed > 0:
             batch = []
@@ -707,7 +724,7 @@ class ClusterSimulator:
             if batch:
                 inst.enqueue(batch, self.now)
             agent = self.agents[iid]
-            if agent.gate is not None:
+            if agent.gate is not None or agent.feed_tokens is not None:
                 if wake:
                     self._pull(inst)
                     continue

@@ -170,6 +170,11 @@ PRESETS: dict[str, Preset] = {
             "every policy behind an agent",
         ),
         Preset(
+            "wb-feed",
+            "wb with the agents feeding 512 prompt tokens a round: the pace of wb-pull1 "
+            "without a broker round trip per request",
+        ),
+        Preset(
             "wb-ablation",
             "removing each default LSO lowers attainment or throughput by > 1 sd; adding one "
             "that is off raises neither",
@@ -198,12 +203,14 @@ PRESETS: dict[str, Preset] = {
         ),
         Preset("trace", "Azure conv + code replay, two SLO classes"),
         Preset("trace-pull1", "trace with the agents pulling one request at a time"),
+        Preset("trace-feed", "trace with the agents feeding 512 prompt tokens a round"),
         Preset(
             "mixed",
             "qlm (the default): service gain >= 1.3x fcfs and SLO goodput >= every baseline's "
             "at the overload points",
         ),
         Preset("mixed-pull1", "mixed with the agents pulling one request at a time"),
+        Preset("mixed-feed", "mixed with the agents feeding 512 prompt tokens a round"),
         Preset("scale", "1 h of 100 GPUs (>= 1M requests) in <= 5 min, <= 4 GB"),
         Preset(
             "saber",

@@ -169,6 +169,7 @@ def instance_specs(spec: ScenarioSpec) -> list[InstanceSpec]:
                     max_num_seqs=pool.max_num_seqs,
                     max_num_batched_tokens=pool.max_num_batched_tokens,
                     pull_at_most=pool.pull_at_most,
+                    feed_tokens=pool.feed_tokens,
                 )
             )
     return out

@@ -93,6 +93,10 @@ class PoolSpec(_Strict):
     # the pool's agents pull at most this many requests at once (qlm agent --pull-at-most);
     # None: the agent's default, qlm.engine_scheduler.WANTS_AT_MOST (8)
     pull_at_most: int | None = Field(default=None, ge=1)
+    # the pool's agents hand their engine at most this many prompt tokens each time it wants
+    # work (about once an iteration; at least one request), holding the rest of a pull (qlm
+    # agent --feed-tokens); None: a whole pull at once
+    feed_tokens: int | None = Field(default=None, ge=1)
 
     @model_validator(mode="after")
     def _profiles_match(self) -> Self:
