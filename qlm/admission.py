@@ -243,8 +243,9 @@ class PullAdmission(Generic[R]):
     # its waiting queue emptied: about once an iteration) hands the engine held requests in
     # dispatch order while their prompt tokens (``tokens(r)``) stay within this budget, the
     # first one always. Credit keeps about one more round's worth held (the budget over the
-    # mean prompt seen, at least one request, within what the engine wants), so the next round
-    # does not wait for a broker round trip and little is committed to this engine early.
+    # mean prompt seen, at least one request, within the room the engine had left after the
+    # round), so the next round does not wait for a broker round trip and little is committed
+    # to this engine early.
     # None: every dispatch goes to the engine at once. A small budget keeps prompts from
     # filling an iteration with compute-bound prefill chunks that every running request waits
     # through (docs/benchmarks.md, "Pull size").
@@ -259,6 +260,7 @@ class PullAdmission(Generic[R]):
     # max-heap of (-frozen speed, request id); entries no longer in ``frozen`` are skipped
     _floor: list[tuple[float, str]] = field(default_factory=list)
     _room: int = 0  # the most the engine wanted at a feed since the last credit (feed_tokens)
+    _fed: int = 0  # requests handed to the engine since the last credit (feed_tokens)
     _mean_tokens: float = 0.0  # moving mean of the dispatched prompts (feed_tokens)
     # the open feed round: prompt tokens and requests it may still take, requests it took
     _round_tokens: int = 0
@@ -283,9 +285,12 @@ class PullAdmission(Generic[R]):
         want = engine_wants - self.owed
         if self.feed_tokens is not None:
             # the engine's room as the last feed saw it (a feed fills its waiting queue, so it
-            # wants nothing right after); within it, what is held and owed tops up to about
-            # one round ahead
-            room, self._room = max(engine_wants, self._room), 0
+            # wants nothing right after), less what that feed handed over; within it, what is
+            # held and owed tops up to about one round ahead. An engine left without room (one
+            # that runs a request at a time) gets nothing held for it: held, a request would be
+            # committed to it for a whole request's time
+            room = max(engine_wants, self._room - self._fed)
+            self._room = self._fed = 0
             want = min(room, len(self.held) + self._round_ahead()) - len(self.held) - self.owed
         if self.cap is not None:
             want = min(want, self.cap - in_engine - len(self.held) - self.owed)
@@ -398,6 +403,7 @@ class PullAdmission(Generic[R]):
             self._round_tokens -= size
             self._round_slots -= 1
             self._round_fed += 1
+            self._fed += 1
             submit(held.popleft())
 
     def in_time_queue_empty(self) -> bool:

@@ -151,3 +151,17 @@ def test_a_request_dispatched_while_a_round_is_open_joins_it_if_it_fits() -> Non
     agent.admit(engine.wants, engine.submit, 0.0)
     assert engine.iterate() == ["100", "300"]
     assert _rounds(agent, engine, 2) == [["200"], []]
+
+
+def test_nothing_is_held_ahead_for_an_engine_left_without_room() -> None:
+    """An engine that runs one request at a time: what it is handed fills it, so nothing is
+    pulled to wait at the agent (committed to this engine) until it wants work again."""
+    engine, agent = _Engine(1), _agent(512)
+    agent.granted(agent.credit_wanted(engine.wants()))
+    _dispatch(agent, engine, ["100"])
+    agent.admit(engine.wants, engine.submit, 0.0)
+    assert engine.waiting == ["100"]
+    assert agent.credit_wanted(engine.wants()) == 0
+    engine.iterate()  # it wants one again: one
+    agent.admit(engine.wants, engine.submit, 0.0)
+    assert agent.credit_wanted(engine.wants()) == 1
