@@ -90,9 +90,10 @@ async def _measure(
     gateway_ms: list[float] = []
     errors = 0
     done = 0
+    prompt = _prompt(prompt_tokens)
     body = {
         "model": model,
-        "prompt": _prompt(prompt_tokens),
+        "prompt": prompt,
         "max_tokens": max_tokens,
         "temperature": 0,
         "qlm_slo_ms": 60_000,
@@ -111,7 +112,7 @@ async def _measure(
                 req = RequestMessage(
                     request_id=f"bench-direct-{i}",
                     model=model,
-                    prompt_token_ids=_prompt(prompt_tokens),
+                    prompt_token_ids=prompt,
                     max_tokens=max_tokens,
                     sampling=SamplingParams(temperature=0.0),
                     slo=SLO(e2e_ms=60_000),
