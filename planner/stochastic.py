@@ -46,6 +46,9 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from heapq import heappush
+from itertools import repeat
+from math import sqrt
 from typing import Any
 
 import numpy as np
@@ -316,9 +319,10 @@ class _Tables:
         return [g for g, c in enumerate(self.col) if finite[c]]
 
 
-@dataclass
+@dataclass(slots=True)
 class _Lane:
-    """One instance's queue while a candidate order is walked."""
+    """One instance's queue while a candidate order is walked (slots: the walks read and
+    write its fields once per request)."""
 
     t: float = 0.0  # when the next request of the current run would start
     var: float = 0.0  # variance of t (sum of the occupancies' variances)
@@ -506,6 +510,7 @@ class QLMPolicy(QueuePolicy):
         self._seen_max = ARRIVAL_KEYS_MAX
         self._left: dict[str, deque[tuple[str, float, float, int]]] = {}
         self._tail_ranks: list[dict[str, int]] = []  # per instance: model -> its tail run
+        self._head_due: list[list[float]] = []  # per instance: its kept work's sort-key dues
         # long shots spend only the capacity sure work leaves: the occupancy of sure arrivals
         # (_sure_rate) against the instances, and the credit the rest accrues. Per spread
         # (_spread_s of the SLO): the decayed Σ occupancy (s) of the arrivals that can meet at
@@ -1462,33 +1467,51 @@ class QLMPolicy(QueuePolicy):
         w = self._walker(tab, priced)
         idx = np.flatnonzero(walkable)
         order = idx[np.lexsort((priced.seq[idx], best_lst[idx], ~tab.prio[idx]))]
-        lanes_of: dict[int, list[tuple[int, _Lane, list[float], float]]] = {}
-        z, model, inf = w.z, w.model, math.inf
+        z, model, lanes, switch_of = w.z, w.model, w.lanes, w.switch
+        # Per model, its candidate instances sorted by (start there, position among them):
+        # the first where the request meets wins, else the first of all, which is the
+        # lowest (misses, start, position) of a scan of every candidate. A step changes one
+        # lane, so only that lane's entries move (this runs n times, the scan n × instances).
+        cands_of: dict[int, list[int]] = {}  # model -> its instances, in order
+        sorted_of: dict[int, list[tuple[float, int]]] = {}  # model -> [(start, position)]
+        start_of: dict[int, list[float]] = {}  # model -> start at each position
+        entries: list[list[tuple[int, int]]] = [[] for _ in lanes]  # lane -> [(model, pos)]
+
+        def start_at(g: int, m: int) -> float:
+            lane = lanes[g]
+            lm = lane.model
+            if lm == -1 or lm == m:
+                return lane.t
+            return (lane.t if lane.t > lane.run_end else lane.run_end) + switch_of[g][m]
+
         for k in order.tolist():
             m = model[k]
-            cands = lanes_of.get(m)
-            if cands is None:
-                cands = lanes_of[m] = [
-                    (g, w.lanes[g], w.lst[g], w.switch[g][m]) for g in tab.served(k)
-                ]
-            # the lowest (misses, start, index): written out, this runs n × instances times;
-            # once a lane where it meets is found, a lane starting no earlier cannot win
-            best_g, best_start, best_miss = -1, inf, True
-            for g, lane, lst, switch in cands:
-                lm = lane.model
-                if lm == -1 or lm == m:
-                    start = lane.t
-                else:
-                    start = (lane.t if lane.t > lane.run_end else lane.run_end) + switch
-                if start >= best_start and not best_miss:
+            ranked = sorted_of.get(m)
+            if ranked is None:
+                cands = cands_of[m] = tab.served(k)
+                start_of[m] = [start_at(g, m) for g in cands]
+                ranked = sorted_of[m] = sorted((t, p) for p, t in enumerate(start_of[m]))
+                for p, g in enumerate(cands):
+                    entries[g].append((m, p))
+            if not ranked:
+                continue
+            cands = cands_of[m]
+            best_g = cands[ranked[0][1]]
+            for start, p in ranked:
+                g = cands[p]
+                if start + z * lanes[g].sd <= w.lst[g][k]:
+                    best_g = g
+                    break
+            w.step(best_g, k)
+            for m2, p in entries[best_g]:
+                starts, ranked2 = start_of[m2], sorted_of[m2]
+                new = start_at(best_g, m2)
+                old = starts[p]
+                if new == old:
                     continue
-                if start + z * lane.sd > lst[k]:
-                    if best_miss and start < best_start:
-                        best_g, best_start = g, start
-                else:
-                    best_g, best_start, best_miss = g, start, False
-            if best_g >= 0:
-                w.step(best_g, k)
+                del ranked2[bisect.bisect_left(ranked2, (old, p))]
+                bisect.insort(ranked2, (new, p))
+                starts[p] = new
         return w.result()
 
     def _walk_lanes(self, orders: list[list[int]], tab: _Tables, priced: _Priced) -> _Walk:
@@ -1576,14 +1599,29 @@ class QLMPolicy(QueuePolicy):
         keys: dict[str, tuple[Any, ...]] = {}
         final: list[list[int]] = []
         self._tail_ranks = []
+        self._head_due = []
         for g, head in enumerate(heads):
+            due = []
             if head:
                 due = np.maximum.accumulate(tab.lst[head, col[g]] + now).tolist()
                 fin = (timing[g].start + tab.own_mean[head, col[g]]).tolist()
-                for pos, k in enumerate(head):
-                    rid = reqs[k].request_id
-                    keys[rid] = (FEASIBLE, due[pos], pos, seq[k])
-                    done[rid] = fin[pos]
+                # zipped rather than a loop with a tuple and two dict writes per request
+                rids = [reqs[k].request_id for k in head]
+                keys.update(
+                    zip(
+                        rids,
+                        zip(
+                            repeat(FEASIBLE, len(head)),
+                            due,
+                            range(len(head)),
+                            [seq[k] for k in head],
+                            strict=True,
+                        ),
+                        strict=True,
+                    )
+                )
+                done.update(zip(rids, fin, strict=True))
+            self._head_due.append(due)
             # the tail in model runs: first the model the kept work ends with (or the one
             # loaded), then the others in the order their first request comes
             last = model_of[head[-1]] if head else int(tab.init_model[g])
@@ -2005,16 +2043,12 @@ class QLMPolicy(QueuePolicy):
         self._last_detail = (done, now)
         reqs = priced.reqs
         tokens_of = np.fromiter((self.work_tokens(r) for r in reqs), np.float64, len(reqs))
-        rids = [r.request_id for r in reqs]
         model_of: list[int] = tab.model_idx.tolist()
         for g, q in enumerate(final):
             iid = live[g].instance_id
-            kept, dues = [], []
-            for k in q:
-                key = keys[rids[k]]
-                if key[0] == FEASIBLE:
-                    kept.append(k)
-                    dues.append(key[1])
+            # _finish put the kept work (FEASIBLE keys, these dues) ahead of the tail
+            dues = self._head_due[g]
+            kept = q[: len(dues)]
             timing = _lane_times(tab, g, kept)
             due = np.array(dues, dtype=np.float64)
             toks = tokens_of[kept] if kept else np.zeros(0)
@@ -2131,14 +2165,17 @@ class _Walker:
         else demote it. True when kept."""
         lane = self.lanes[g]
         m = self.model[k]
-        new_run = lane.model != -1 and m != lane.model
+        lane_model = lane.model
+        new_run = lane_model != -1 and m != lane_model
         # start(g, k), inline: this runs once per request and candidate
         if new_run:
-            start = (lane.t if lane.t > lane.run_end else lane.run_end) + self.switch[g][m]
+            t, run_end = lane.t, lane.run_end
+            start = (t if t > run_end else run_end) + self.switch[g][m]
         else:
             start = lane.t
         var = lane.var
-        if self.demote and not self.prio[k] and start + self.z * lane.sd > self.lst[g][k]:
+        prio = self.prio[k]
+        if self.demote and not prio and start + self.z * lane.sd > self.lst[g][k]:
             if new_run or not self._displace(lane, g, k, start, var):
                 self.tail.append(k)
                 return False
@@ -2150,11 +2187,14 @@ class _Walker:
         lane.model = m
         lane.kept.append(k)
         lane.t = start + self.occ[g][k]
-        lane.var = var + self.var[g][k]
-        lane.sd = math.sqrt(lane.var)
-        lane.run_end = max(lane.run_end, start + self.own[g][k])
-        if not self.prio[k]:
-            heapq.heappush(lane.heap, (-self.cost[k], k))
+        var += self.var[g][k]
+        lane.var = var
+        lane.sd = sqrt(var)
+        end = start + self.own[g][k]
+        if end > lane.run_end:
+            lane.run_end = end
+        if not prio:
+            heappush(lane.heap, (-self.cost[k], k))
         return True
 
     def _displace(self, lane: _Lane, g: int, k: int, start: float, var: float) -> bool:
