@@ -106,6 +106,9 @@ CAP_SHARES = (0.9, 0.875, 0.8125, 0.75, 0.5, 0.375, 0.25, 0.1875, 0.125)
 CAP_MIN = 16
 CAP_HOLD_S = 60.0  # a cap stays while latency-bound work was seen this recently
 CAP_TTFT_S = 10.0  # a TTFT SLO this short: the work cannot wait long for a slot
+# the request-level EDF walk scans up to this many candidate instances of a model; more are
+# kept sorted by start (the same choice, found without computing every lane's start)
+SCAN_LANES_UP_TO = 8
 
 
 def _spread_s(slo_s: float | None) -> float:
@@ -1467,11 +1470,12 @@ class QLMPolicy(QueuePolicy):
         w = self._walker(tab, priced)
         idx = np.flatnonzero(walkable)
         order = idx[np.lexsort((priced.seq[idx], best_lst[idx], ~tab.prio[idx]))]
-        z, model, lanes, switch_of = w.z, w.model, w.lanes, w.switch
-        # Per model, its candidate instances sorted by (start there, position among them):
-        # the first where the request meets wins, else the first of all, which is the
-        # lowest (misses, start, position) of a scan of every candidate. A step changes one
-        # lane, so only that lane's entries move (this runs n times, the scan n × instances).
+        inf = math.inf
+        z, model, lanes, switch_of, lst_of = w.z, w.model, w.lanes, w.switch, w.lst
+        # The lowest (misses, start, position) over the model's candidate instances. Few
+        # candidates are scanned. Many are kept sorted by (start, position) per model: the
+        # first where the request meets wins, else the first of all; a step changes one lane,
+        # so only that lane's entries move (the scan costs n × instances, this about n).
         cands_of: dict[int, list[int]] = {}  # model -> its instances, in order
         sorted_of: dict[int, list[tuple[float, int]]] = {}  # model -> [(start, position)]
         start_of: dict[int, list[float]] = {}  # model -> start at each position
@@ -1486,22 +1490,42 @@ class QLMPolicy(QueuePolicy):
 
         for k in order.tolist():
             m = model[k]
+            cands = cands_of.get(m)
+            if cands is None:
+                cands = cands_of[m] = tab.served(k)
+                if len(cands) > SCAN_LANES_UP_TO:
+                    start_of[m] = [start_at(g, m) for g in cands]
+                    sorted_of[m] = sorted((t, p) for p, t in enumerate(start_of[m]))
+                    for p, g in enumerate(cands):
+                        entries[g].append((m, p))
+            if not cands:
+                continue
             ranked = sorted_of.get(m)
             if ranked is None:
-                cands = cands_of[m] = tab.served(k)
-                start_of[m] = [start_at(g, m) for g in cands]
-                ranked = sorted_of[m] = sorted((t, p) for p, t in enumerate(start_of[m]))
-                for p, g in enumerate(cands):
-                    entries[g].append((m, p))
-            if not ranked:
-                continue
-            cands = cands_of[m]
-            best_g = cands[ranked[0][1]]
-            for start, p in ranked:
-                g = cands[p]
-                if start + z * lanes[g].sd <= w.lst[g][k]:
-                    best_g = g
-                    break
+                best_g, best_start, best_miss = -1, inf, True
+                for g in cands:
+                    lane = lanes[g]
+                    lm = lane.model
+                    if lm == -1 or lm == m:
+                        start = lane.t
+                    else:
+                        start = (lane.t if lane.t > lane.run_end else lane.run_end) + switch_of[g][
+                            m
+                        ]
+                    if start >= best_start and not best_miss:
+                        continue  # a lane where it meets was found: one no earlier cannot win
+                    if start + z * lane.sd > lst_of[g][k]:
+                        if best_miss and start < best_start:
+                            best_g, best_start = g, start
+                    else:
+                        best_g, best_start, best_miss = g, start, False
+            else:
+                best_g = cands[ranked[0][1]]
+                for start, p in ranked:
+                    g = cands[p]
+                    if start + z * lanes[g].sd <= lst_of[g][k]:
+                        best_g = g
+                        break
             w.step(best_g, k)
             for m2, p in entries[best_g]:
                 starts, ranked2 = start_of[m2], sorted_of[m2]
@@ -1517,9 +1541,10 @@ class QLMPolicy(QueuePolicy):
     def _walk_lanes(self, orders: list[list[int]], tab: _Tables, priced: _Priced) -> _Walk:
         """A candidate's queues walked in their own order, with displacement."""
         w = self._walker(tab, priced)
+        step = w.step
         for g, order in enumerate(orders):
             for k in order:
-                w.step(g, k)
+                step(g, k)
         return w.result()
 
     def _expand(

@@ -1,5 +1,6 @@
-"""The request-level EDF walk keeps each model's candidate instances sorted by start; it must
-choose exactly what scanning every candidate chooses: the lowest (misses, start, position)."""
+"""The request-level EDF walk scans a model's few candidate instances and keeps many sorted by
+start; either way it must choose exactly what scanning every candidate chooses: the lowest
+(misses, start, position)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import qlm.planner.stochastic as stochastic
 from qlm.planner.stochastic import QLMPolicy
 from qlm.tooling.bench_planner import NOW, build_instances, build_queue
 
@@ -67,12 +69,13 @@ def _same(a: Any, b: Any) -> bool:
 @given(
     seed=st.integers(0, 10_000),
     slo=st.sampled_from(["tight", "loose"]),
-    n_inst=st.sampled_from([2, 4, 8]),
+    n_inst=st.sampled_from([2, 4, 8, 16]),
+    scan_up_to=st.sampled_from([0, stochastic.SCAN_LANES_UP_TO]),
     queued=st.integers(20, 300),
-    running=st.lists(st.integers(0, 300), min_size=8, max_size=8),
+    running=st.lists(st.integers(0, 300), min_size=16, max_size=16),
 )
 def test_sorted_candidates_choose_what_scanning_every_candidate_chooses(
-    seed: int, slo: str, n_inst: int, queued: int, running: list[int]
+    seed: int, slo: str, n_inst: int, scan_up_to: int, queued: int, running: list[int]
 ) -> None:
     # busy instances (a full batch delays the first slot; models loaded or not) give lanes
     # different starts and switches, and the eviction probe walks a second time
@@ -82,8 +85,12 @@ def test_sorted_candidates_choose_what_scanning_every_candidate_chooses(
     ]
     policy = _Checked(budget_clock="work")
     reqs = build_queue(queued, n_inst, slo, seed)
-    policy.plan(reqs, insts, NOW)
-    policy.plan(reqs[: queued // 2], insts, NOW + 1.0)
+    default, stochastic.SCAN_LANES_UP_TO = stochastic.SCAN_LANES_UP_TO, scan_up_to
+    try:
+        policy.plan(reqs, insts, NOW)
+        policy.plan(reqs[: queued // 2], insts, NOW + 1.0)
+    finally:
+        stochastic.SCAN_LANES_UP_TO = default
     assert policy.pairs
     for fast, scanned in policy.pairs:
         assert _same(fast, scanned)
