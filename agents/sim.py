@@ -92,6 +92,7 @@ class SimEngine(EngineBackend):
         time_scale: float = 1.0,
         kv_capacity_tokens: int | None = None,
         max_batch_size: int | None = None,
+        max_num_batched_tokens: int | None = None,
         pull_at_most: int = WANTS_AT_MOST,
         seed: int = 0,
         clock: Callable[[], float] = time.time,
@@ -100,7 +101,8 @@ class SimEngine(EngineBackend):
     ) -> None:
         """``profiles`` replaces the roofline profile of some models (e.g. measured ones);
         ``tp=None`` uses the largest TP degree any of the models needs, since the models share
-        one GPU group. ``kv_capacity_tokens`` and ``max_batch_size`` override every model's."""
+        one GPU group. ``kv_capacity_tokens``, ``max_batch_size`` and the token budget per
+        iteration ``max_num_batched_tokens`` override every model's."""
         if not models:
             raise ValueError("SimEngine needs at least one model")
         if time_scale <= 0:
@@ -111,6 +113,8 @@ class SimEngine(EngineBackend):
         self._profiles = {m: given.get(m) or get_profile(gpu_type, m, tp=tp) for m in models}
         if max_batch_size is not None and max_batch_size < 1:
             raise ValueError("max_batch_size must be >= 1")
+        if max_num_batched_tokens is not None and max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be >= 1")
         self._limits: dict[str, EngineLimits] = {}
         for m, p in self._profiles.items():
             # the cache holds whole blocks of KV_BLOCK_TOKENS, as vLLM's does
@@ -121,7 +125,9 @@ class SimEngine(EngineBackend):
             self._limits[m] = EngineLimits(
                 blocks * KV_BLOCK_TOKENS,
                 p.max_batch_size if max_batch_size is None else max_batch_size,
-                p.max_num_batched_tokens,
+                p.max_num_batched_tokens
+                if max_num_batched_tokens is None
+                else max_num_batched_tokens,
             )
         self.gpu_type = gpu_type
         self.time_scale = time_scale

@@ -86,6 +86,10 @@ class VllmSettings:
 
     max_model_len: int = 2048
     max_num_seqs: int = 64
+    # the engine's token budget per iteration (prompt chunks and decode tokens together); None:
+    # vLLM's default for the device. Smaller chunks make every iteration carry some prefill
+    # beside the decode batch (docs/benchmarks.md, "Pull size and feed budget")
+    max_num_batched_tokens: int | None = None
     dtype: str | None = None  # CPU default float32: bf16 can SIGILL without the AMX permission
     block_size: int | None = None  # CPU needs a multiple of 32; small blocks help resume
     kv_cache_memory_bytes: int | None = None  # per engine; else gpu_memory_utilization
@@ -106,6 +110,8 @@ class VllmSettings:
     def __post_init__(self) -> None:
         if self.max_model_len < 2 or self.max_num_seqs < 1:
             raise ValueError("max_model_len must be >= 2 and max_num_seqs >= 1")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be >= 1")
         if not 0 < self.kv_threshold <= 1:
             raise ValueError("kv_threshold must be in (0, 1]")
         if self.pull_at_most < 1:
@@ -336,6 +342,8 @@ class VllmEngine(EngineBackend):
             "seed": s.seed,
             "enable_prefix_caching": True,
         }
+        if s.max_num_batched_tokens is not None:
+            kw["max_num_batched_tokens"] = s.max_num_batched_tokens
         if self._is_cpu:
             kw["dtype"] = s.dtype or "float32"
             kw["block_size"] = s.block_size or 32

@@ -310,6 +310,15 @@ def agent(
     ] = None,
     max_model_len: Annotated[int, typer.Option(help="vllm: context length")] = 2048,
     max_num_seqs: Annotated[int, typer.Option(help="vllm: engine batch cap")] = 64,
+    max_num_batched_tokens: Annotated[
+        int | None,
+        typer.Option(
+            help="sim and vllm: the engine's token budget per iteration (prompt chunks and "
+            "decode tokens; vLLM's --max-num-batched-tokens; default: vLLM's for the GPU; "
+            "with --backend http, set it on the server; docs/benchmarks.md, 'Pull size')",
+            min=1,
+        ),
+    ] = None,
     pull_at_most: Annotated[
         int | None,
         typer.Option(
@@ -399,9 +408,11 @@ def agent(
         seed=seed,
         model_paths=paths,
         pull_at_most=pull_at_most,
+        max_num_batched_tokens=max_num_batched_tokens,
         vllm_options={
             "max_model_len": max_model_len,
             "max_num_seqs": max_num_seqs,
+            "max_num_batched_tokens": max_num_batched_tokens,
             "kv_cache_memory_bytes": None if kv_cache_mb is None else kv_cache_mb * 2**20,
             "kv_offload_gib": kv_offload_gib,
         },
@@ -455,11 +466,17 @@ def _make_engines(
     vllm_options: dict[str, Any],
     servers: list[str] | None = None,
     pull_at_most: int | None = None,
+    max_num_batched_tokens: int | None = None,
 ) -> list[Any]:
     from qlm.engine_scheduler import WANTS_AT_MOST
 
     pull_at_most = pull_at_most or WANTS_AT_MOST
     if backend == "http":  # the servers say which models: --models and --gpus do not apply
+        if max_num_batched_tokens is not None:
+            raise typer.BadParameter(
+                "--max-num-batched-tokens is the server's setting with --backend http "
+                "(vllm serve --max-num-batched-tokens)"
+            )
         from qlm.agents.http import HttpSettings, make_http_engines
 
         try:
@@ -484,6 +501,7 @@ def _make_engines(
                     time_scale=time_scale,
                     seed=seed + i,
                     pull_at_most=pull_at_most,
+                    max_num_batched_tokens=max_num_batched_tokens,
                 )
                 for i in range(gpus)
             ]
