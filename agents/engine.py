@@ -119,6 +119,13 @@ class EngineBackend(ABC):
     def max_batch_size(self) -> int: ...
 
     @property
+    def max_num_batched_tokens(self) -> int | None:
+        """The engine's token budget per iteration (prompt chunks and decode tokens), where the
+        backend knows it; None: the engine's default, unknown here. `qlm profile` records it in
+        the measured profile, which the coordinator then prices the engine with."""
+        return None
+
+    @property
     def max_model_len(self) -> Mapping[str, int]:
         """Per served model, the context (prompt + output tokens) the engine accepts, as the
         engine itself says once it runs; a model it says nothing of is left out (the sim's:

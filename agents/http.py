@@ -159,6 +159,7 @@ class HttpEngine(EngineBackend):
         self._max_model_len = 0
         self._kv_capacity = self.settings.kv_capacity_tokens or 0
         self._max_batch = self.settings.max_batch_size or DEFAULT_MAX_BATCH
+        self._batched_tokens: int | None = None  # the server's, when it says (dev mode)
         self._send_priority = True  # until the server refuses the field
         self._state: ModelState = "active"
         self._switching = asyncio.Lock()
@@ -186,6 +187,10 @@ class HttpEngine(EngineBackend):
     @property
     def max_batch_size(self) -> int:
         return self._max_batch
+
+    @property
+    def max_num_batched_tokens(self) -> int | None:
+        return self._batched_tokens
 
     @property
     def max_model_len(self) -> Mapping[str, int]:
@@ -323,6 +328,8 @@ class HttpEngine(EngineBackend):
                 )
             if self.settings.max_batch_size is None and sched_cfg.get("max_num_seqs"):
                 self._max_batch = int(sched_cfg["max_num_seqs"])
+            if sched_cfg.get("max_num_batched_tokens"):
+                self._batched_tokens = int(sched_cfg["max_num_batched_tokens"])
             sleeping = await self._is_sleeping()
         notes.append(
             "kv offload: not used through the HTTP API; evicted requests are recomputed "

@@ -322,6 +322,11 @@ def _fit_profile(
 
     known = GPUS.get(canonical_gpu(gpu_type))
 
+    # the engine's token budget, where its backend knows it: the planner prices the chunked
+    # prefill beside a decode batch with it (else the profile's default)
+    batched = engine.max_num_batched_tokens
+    budget = {} if batched is None else {"max_num_batched_tokens": batched}
+
     def make(x: Any) -> EngineProfile:
         gpu = GPUSpec(
             name=gpu_type,
@@ -337,6 +342,7 @@ def _fit_profile(
             decode_bw_efficiency=1.0,
             iteration_overhead_s=float(x[2]),
             max_num_seqs=engine.max_batch_size,
+            **budget,
             source=PROFILE_SOURCE,
             measured_kv_capacity_tokens=engine.kv_capacity_tokens,
         )

@@ -180,6 +180,10 @@ class SimEngine(EngineBackend):
         return self._engine.limits.max_batch_size
 
     @property
+    def max_num_batched_tokens(self) -> int | None:
+        return self._engine.limits.max_num_batched_tokens
+
+    @property
     def preemptions_total(self) -> int:
         return self._engine.preemptions
 

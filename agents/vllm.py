@@ -241,6 +241,10 @@ class VllmEngine(EngineBackend):
         return self.settings.max_num_seqs
 
     @property
+    def max_num_batched_tokens(self) -> int | None:
+        return self.settings.max_num_batched_tokens
+
+    @property
     def max_model_len(self) -> Mapping[str, int]:
         return {m.name: m.max_model_len for m in self._models.values() if m.max_model_len}
 

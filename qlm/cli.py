@@ -659,6 +659,14 @@ def profile_run(
     time_scale: Annotated[float, typer.Option(help="sim: engine speed-up factor")] = 20.0,
     max_model_len: Annotated[int, typer.Option(help="vllm: context length")] = 2048,
     kv_cache_mb: Annotated[int | None, typer.Option(help="vllm: KV cache in MiB")] = None,
+    max_num_batched_tokens: Annotated[
+        int | None,
+        typer.Option(
+            help="the engine's token budget per iteration, as the agent will run it (qlm agent "
+            "--max-num-batched-tokens); recorded in the profile, which prices it",
+            min=1,
+        ),
+    ] = None,
     timeout: Annotated[float, typer.Option(help="seconds one batch of requests may take")] = 600.0,
 ) -> None:
     """Measure an engine (single requests, a concurrency sweep, model switches) and write the
@@ -687,9 +695,11 @@ def profile_run(
             model_paths=_parse_model_paths(
                 [f"{model}={model_path}"] if model_path else [], [model], engine
             ),
+            max_num_batched_tokens=max_num_batched_tokens,
             vllm_options={
                 "max_model_len": max_model_len,
                 "max_num_seqs": max(levels),
+                "max_num_batched_tokens": max_num_batched_tokens,
                 "kv_cache_memory_bytes": None if kv_cache_mb is None else kv_cache_mb * 2**20,
             },
         )

@@ -160,6 +160,8 @@ def test_cli_writes_a_profile_the_simulator_loads_and_stores_it(tmp_path: Path) 
             "20",
             "--max-concurrency",
             "16",
+            "--max-num-batched-tokens",
+            "512",
             "--out",
             str(out),
             "--store-url",
@@ -171,6 +173,8 @@ def test_cli_writes_a_profile_the_simulator_loads_and_stores_it(tmp_path: Path) 
     assert data["source"] == "measured:qlm-profile" and set(data["usl"]) >= {"lam", "sigma"}
     loaded = load_profile(str(out))  # what a scenario's pools[].profiles entry does
     assert loaded.model.name == MODEL and loaded.kv_capacity_tokens > 0
+    # the engine ran with the agent's token budget, and the profile prices it so
+    assert data["max_num_batched_tokens"] == 512 and loaded.max_num_batched_tokens == 512
 
     async def stored() -> dict[str, object] | None:
         store = await Store.open(db)

@@ -4,6 +4,7 @@ the server's setting and is refused before anything starts."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -23,12 +24,13 @@ def test_the_sim_engine_schedules_with_the_budget_it_is_given() -> None:
         SimEngine("A100-80GB", ["mistral-7b"], max_num_batched_tokens=0)
 
 
-def test_the_vllm_engine_passes_the_budget_to_its_engine_args() -> None:
+def test_the_vllm_engine_passes_the_budget_to_its_engine_args(tmp_path: Path) -> None:
     pytest.importorskip("vllm")
-    engine = VllmEngine({"tiny": "/nonexistent"}, VllmSettings(max_num_batched_tokens=256))
+    # a local directory (nothing is loaded: the arguments are only built)
+    engine = VllmEngine({"tiny": str(tmp_path)}, VllmSettings(max_num_batched_tokens=256))
     args = engine._engine_args(engine._models["tiny"])
     assert args.max_num_batched_tokens == 256
-    unset = VllmEngine({"tiny": "/nonexistent"})
+    unset = VllmEngine({"tiny": str(tmp_path)})
     assert unset._engine_args(unset._models["tiny"]).max_num_batched_tokens is None
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         VllmSettings(max_num_batched_tokens=0)

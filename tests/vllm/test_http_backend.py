@@ -246,6 +246,8 @@ async def test_start_reads_what_the_server_is(engine: tuple[HttpEngine, Outputs]
     # 16 KiB of KV a token (K and V, 8 layers, 4 KV heads of 64, float32)
     assert eng.kv_capacity_tokens == KV_CACHE_BYTES // (16 * 2**10)
     assert eng.max_batch_size == MAX_NUM_SEQS  # from /server_info
+    # the server's token budget per iteration, which `qlm profile` records (its default here)
+    assert eng.max_num_batched_tokens is not None and eng.max_num_batched_tokens >= MAX_NUM_SEQS
     assert eng.models == [MODEL]
     assert 0 < eng.wants() <= MAX_NUM_SEQS
     st = eng.stats()
