@@ -184,6 +184,7 @@ class _Model:
     stats: _StatsRecorder = field(default_factory=_StatsRecorder)
     kv_capacity_tokens: int = 0
     max_model_len: int = 0  # the engine's context, from its config once it has started
+    max_num_batched_tokens: int = 0  # its token budget per iteration, likewise
     state: str = "cold"  # "active" | "warm" | "cold" (what the engine is now)
     start_task: asyncio.Task[None] | None = None  # the engine start under way, shared
     switching: asyncio.Lock = field(default_factory=asyncio.Lock)  # one state change at once
@@ -242,7 +243,13 @@ class VllmEngine(EngineBackend):
 
     @property
     def max_num_batched_tokens(self) -> int | None:
-        return self.settings.max_num_batched_tokens
+        """The setting, else what vLLM settled on for the device once an engine has run."""
+        if self.settings.max_num_batched_tokens is not None:
+            return self.settings.max_num_batched_tokens
+        known = [
+            m.max_num_batched_tokens for m in self._models.values() if m.max_num_batched_tokens
+        ]
+        return max(known) if known else None
 
     @property
     def max_model_len(self) -> Mapping[str, int]:
@@ -406,6 +413,8 @@ class VllmEngine(EngineBackend):
         model.kv_capacity_tokens = int((cache.num_gpu_blocks or 0) * cache.block_size)
         # what vLLM settled on (the setting, or the model's own limit where it derives one)
         model.max_model_len = int(llm.vllm_config.model_config.max_model_len or 0)
+        sched = llm.vllm_config.scheduler_config
+        model.max_num_batched_tokens = int(sched.max_num_batched_tokens or 0)
         self._log.info(
             "vllm_model_started",
             model=model.name,

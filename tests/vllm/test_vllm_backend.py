@@ -214,6 +214,8 @@ async def test_stats_and_wants_follow_the_engine(engine: tuple[VllmEngine, Outpu
     assert eng.wants() == 2 and eng.kv_capacity_tokens > 0
     # the context from the running engine's config (the broken model never ran: not listed)
     assert dict(eng.max_model_len) == {MODEL: MAX_MODEL_LEN}
+    # the token budget vLLM settled on for this device (none was set), for `qlm profile`
+    assert eng.max_num_batched_tokens is not None and eng.max_num_batched_tokens > 0
     grown: list[int] = []
     eng.set_capacity_listener(lambda: grown.append(eng.wants()))
     for i in range(3):
