@@ -1520,12 +1520,17 @@ class QLMPolicy(QueuePolicy):
                     else:
                         best_g, best_start, best_miss = g, start, False
             else:
-                best_g = cands[ranked[0][1]]
+                best_g = -1
                 for start, p in ranked:
                     g = cands[p]
                     if start + z * lanes[g].sd <= lst_of[g][k]:
                         best_g = g
                         break
+                else:
+                    if ranked[0][0] < inf:  # as the scan: an infinite start is never chosen
+                        best_g = cands[ranked[0][1]]
+            if best_g < 0:
+                continue
             w.step(best_g, k)
             for m2, p in entries[best_g]:
                 starts, ranked2 = start_of[m2], sorted_of[m2]

@@ -36,7 +36,8 @@ def _scan_every_candidate(
             key = (start + w.z * lane.sd > w.lst[g][k], start, pos)
             if best is None or key < best:
                 best = key
-        if best is not None:
+        # a request that misses everywhere goes where it starts first, unless that is never
+        if best is not None and not (best[0] and best[1] == math.inf):
             w.step(cands[best[2]], k)
     return w.result()
 
