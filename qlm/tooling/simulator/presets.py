@@ -204,6 +204,7 @@ PRESETS: dict[str, Preset] = {
         Preset("trace", "Azure conv + code replay, two SLO classes"),
         Preset("trace-pull1", "trace with the agents pulling one request at a time"),
         Preset("trace-feed", "trace with the agents feeding 512 prompt tokens a round"),
+        Preset("trace-512", "trace with a 512-token engine budget: every policy at that setting"),
         Preset(
             "mixed",
             "qlm (the default): service gain >= 1.3x fcfs and SLO goodput >= every baseline's "
@@ -211,6 +212,7 @@ PRESETS: dict[str, Preset] = {
         ),
         Preset("mixed-pull1", "mixed with the agents pulling one request at a time"),
         Preset("mixed-feed", "mixed with the agents feeding 512 prompt tokens a round"),
+        Preset("mixed-512", "mixed with a 512-token engine budget: every policy at that setting"),
         Preset("scale", "1 h of 100 GPUs (>= 1M requests) in <= 5 min, <= 4 GB"),
         Preset(
             "saber",
