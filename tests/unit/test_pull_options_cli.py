@@ -1,12 +1,31 @@
-"""The pull and feed options on the command line (`qlm agent`, `qlm bench gateway`): refused
-before anything starts, or handed on."""
+"""The pull, feed and engine-budget options on the command line (`qlm agent`, `qlm bench
+gateway`): refused before anything starts, or handed on."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import pytest
 from typer.testing import CliRunner
 
+from qlm.agents.sim import SimEngine
 from qlm.cli import app
+
+
+@pytest.fixture
+def agent_runs(monkeypatch: pytest.MonkeyPatch) -> list[tuple[Any, ...]]:
+    """`qlm agent` up to the point where it would run: the arguments of each run, kept."""
+    import qlm.cli as cli
+
+    runs: list[tuple[Any, ...]] = []
+
+    async def run_agent(*args: Any) -> None:
+        runs.append(args)
+
+    monkeypatch.setattr(cli, "_run_agent", run_agent)
+    # nothing of the process's logging or collector changes for the tests that follow
+    monkeypatch.setattr(cli, "_setup_logging", lambda *args: None)
+    return runs
 
 
 def test_the_pull_size_is_the_private_stacks_not_a_running_ones() -> None:
@@ -43,17 +62,29 @@ def test_the_agent_refuses_a_feed_budget_with_saber_admission() -> None:
     )
 
 
-def test_the_agent_cli_hands_its_feed_budget_to_the_agent(monkeypatch: pytest.MonkeyPatch) -> None:
-    import qlm.cli as cli
-
-    seen: list[object] = []
-
-    async def run_agent(*args: object) -> None:
-        seen.append(args[-1])
-
-    monkeypatch.setattr(cli, "_run_agent", run_agent)
-    # nothing of the process's logging or collector changes for the tests that follow
-    monkeypatch.setattr(cli, "_setup_logging", lambda *args: None)
+def test_the_agent_cli_hands_its_feed_budget_to_the_agent(
+    agent_runs: list[tuple[Any, ...]],
+) -> None:
     result = CliRunner().invoke(app, ["agent", "--backend", "sim", "--feed-tokens", "512"])
     assert result.exit_code == 0, result.output
-    assert seen == [512]
+    assert [run[-1] for run in agent_runs] == [512]
+
+
+def test_the_agent_cli_hands_the_engine_budget_to_its_sim_engines(
+    agent_runs: list[tuple[Any, ...]],
+) -> None:
+    args = ["agent", "--backend", "sim", "--gpus", "2", "--max-num-batched-tokens", "512"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    (run,) = agent_runs
+    engines: list[SimEngine] = run[2]
+    assert [e._limits["mistral-7b"].max_num_batched_tokens for e in engines] == [512, 512]
+
+
+def test_the_http_backend_leaves_the_engine_budget_to_the_server() -> None:
+    args = ["agent", "--backend", "http", "--server", "m=http://127.0.0.1:9"]
+    result = CliRunner().invoke(
+        app, [*args, "--max-num-batched-tokens", "512"], env={"COLUMNS": "200"}
+    )
+    assert result.exit_code == 2
+    assert "the server's setting with --backend http" in " ".join(result.output.split())
