@@ -10,7 +10,9 @@ than the tokens themselves. A queue with one chunk due gets a plain
 (docs/protocol.md, "Token streams").
 
 Chunks are transient and best effort: no publisher confirm, not persistent, a failed publish
-is logged and dropped. The one durable, exactly-once answer is still the coordinator's
+is logged and dropped. Each message is also routed, by the same publish, to the coordinator's
+stream tap (``BCC``), so that a request whose agent dies resumes after the tokens its producer
+has. The one durable, exactly-once answer is still the coordinator's
 ResultMessage, which carries the whole output, so a consumer fills any gap from it
 (qlm/streaming.py). Publishing never blocks the engine: the listener only appends to a
 buffer, and one task of its own does the I/O.
@@ -29,6 +31,7 @@ from aio_pika.abc import AbstractChannel, AbstractRobustConnection
 from qlm.agents.engine import TokenDelta
 from qlm.control import Dispatch, ReplyRoute
 from qlm.streaming import encode_token_message
+from qlm.topology import STREAM_TAP_QUEUE
 from qlm.types import CONTENT_TYPE, BatchedChunk
 
 log = structlog.get_logger(__name__)
@@ -218,6 +221,10 @@ class TokenStreams:
                     type=TOKENS_TYPE,
                     delivery_mode=aio_pika.DeliveryMode.NOT_PERSISTENT,
                     expiration=CHUNK_TTL_MS / 1000,
+                    # the coordinator's copy (qlm.topology.STREAM_TAP_QUEUE): routed with the
+                    # producer's by the same publish, so it follows exactly what the producer
+                    # can receive; BCC is stripped before delivery
+                    headers={"BCC": [STREAM_TAP_QUEUE]},
                 ),
                 routing_key=reply_to,
                 mandatory=False,  # a producer that went away loses its chunks, no more

@@ -14,6 +14,9 @@
         "agent.<id>"    ──► qlm.agent.<id> (exclusive, auto-delete): dispatches to that agent
     results ──► default exchange, routing key = the request's reply_to
     qlm.models (fanout) ──► each gateway's exclusive queue: the coordinator's served models
+    token chunks ──► default exchange, routing key = the request's reply_to, and (BCC)
+                     qlm.streams.tap (classic, transient, SAC): the coordinator follows what
+                     each stream's producer received
 
 Sharding exists because one consumer can hold at most 65,535 unacked deliveries (AMQP's
 prefetch is 16 bits) and the coordinator keeps every queued request unacked until its result is
@@ -52,6 +55,14 @@ COORDINATOR_ROUTING_KEY = "coordinator"
 # latency) at the mercy of the disk.
 LIVE_QUEUE = "qlm.control.live"
 LIVE_ROUTING_KEY = "coordinator.live"
+
+# Every token-stream message an agent publishes goes to its reply queue and, as a blind copy
+# (the BCC header: one publish, routed to both or neither), here: the coordinator reads what a
+# stream's producer received, and a request that loses its agent resumes after those tokens.
+# Transient like the chunks themselves; bounded, as nobody may be reading it.
+STREAM_TAP_QUEUE = "qlm.streams.tap"
+STREAM_TAP_MAX_LENGTH = 100_000
+STREAM_TAP_TTL_MS = 60_000
 
 # The coordinator's list of served models (control.ServedModels), to every gateway: a fanout
 # exchange, each gateway's exclusive queue bound to it. Transient messages: a stale list is
@@ -95,6 +106,7 @@ class Topology:
     dead: AbstractQueue
     coordinator: AbstractQueue
     live: AbstractQueue
+    stream_tap: AbstractQueue
 
 
 async def declare_topology(
@@ -137,7 +149,17 @@ async def declare_topology(
         LIVE_QUEUE, durable=False, arguments={"x-single-active-consumer": True}
     )
     await live.bind(control, routing_key=LIVE_ROUTING_KEY)
-    return Topology(ingress, dlx, control, shard_queues, dead, coordinator, live)
+    stream_tap = await channel.declare_queue(
+        STREAM_TAP_QUEUE,
+        durable=False,
+        arguments={
+            "x-single-active-consumer": True,
+            "x-max-length": STREAM_TAP_MAX_LENGTH,
+            "x-overflow": "drop-head",
+            "x-message-ttl": STREAM_TAP_TTL_MS,
+        },
+    )
+    return Topology(ingress, dlx, control, shard_queues, dead, coordinator, live, stream_tap)
 
 
 async def declare_agent_queue(channel: AbstractChannel, agent_id: str) -> AbstractQueue:

@@ -26,6 +26,7 @@ def make_request(
     request_id: str | None = None,
     slo_class: str | None = None,
     tenant: str | None = None,
+    stream: bool = False,
 ) -> RequestMessage:
     return RequestMessage(
         request_id=request_id or f"r{next(_ids)}",
@@ -35,6 +36,7 @@ def make_request(
         slo=SLO(e2e_ms=e2e_ms, ttft_ms=ttft_ms, slo_class=slo_class),
         submitted_at=submitted_at,
         tenant=tenant,
+        stream=stream,
     )
 
 

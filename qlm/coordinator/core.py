@@ -34,6 +34,7 @@ from qlm.collective import CollectiveTracker, stage_call_deadlines
 from qlm.control import Completion, Evicted, Heartbeat, InstanceInfo, InstanceStatus
 from qlm.coordinator.outcome import first_token_time, slo_outcome
 from qlm.policy import CompletionObservation, Plan, PlanInstance, PlanRequest, QueuePolicy
+from qlm.streaming import Reassembler
 from qlm.types import RequestMessage, SLOOutcome
 from qlm.virtual_queue import QueueTally, Restale, VirtualQueue
 
@@ -82,6 +83,12 @@ class TrackedRequest:
     duplicate_copies: int = 0
     # Exact resume: the output of evicted attempts; the next attempt continues after it.
     resume_token_ids: list[int] = field(default_factory=list)
+    # A streamed request's output as its producer receives it: the agents' token chunks reach
+    # the coordinator too (the stream tap, docs/protocol.md "Token streams"), read by the
+    # producer's rule. An attempt lost with its agent resumes after them, so a producer never
+    # gets tokens that contradict what it already has (a sampled answer run again from
+    # scratch would differ).
+    streamed: Reassembler | None = None
     evictions: int = 0
     # an evicted attempt produced tokens: the first came no later than this (the Evicted
     # report's arrival); the reply's TTFT uses it, a conservative bound
@@ -846,6 +853,9 @@ class CoordinatorCore:
                 rid = inst.queue.pop(restale)
                 tracked = self.requests[rid]
                 inst.queued_tokens -= self.policy.work_tokens(tracked.plan_view)
+                if tracked.streamed is not None:
+                    # chunks of a lost attempt may have come in since it was requeued
+                    self._resume_from_stream(tracked, now)
                 inst.credit -= 1
                 inst.dispatches_sent += 1
                 tracked.state = TrackState.DISPATCHED
@@ -1046,9 +1056,17 @@ class CoordinatorCore:
             if tracked and tracked.state == TrackState.DISPATCHED and tracked.dispatch_id == did:
                 moved.append(tracked)
         inst.running.clear()
+        from_stream = 0
         for tracked in moved:
+            from_stream += self._resume_from_stream(tracked, now)
             self._place(tracked, now)
-        log.warning("instance_lost", instance_id=instance_id, reason=reason, requeued=len(moved))
+        log.warning(
+            "instance_lost",
+            instance_id=instance_id,
+            reason=reason,
+            requeued=len(moved),
+            resumed_from_stream=from_stream,
+        )
         return moved
 
     def lose_agent(self, agent_id: str, reason: str, now: float) -> list[TrackedRequest]:
@@ -1082,29 +1100,68 @@ class CoordinatorCore:
             # an agent that lost the output (engine died before reporting tokens) hands back
             # less than we had: keep the longer, consistent prefix
             ids = tracked.resume_token_ids
-        # keep at least one token to generate: an engine needs max_tokens >= 1, and greedy
-        # decoding regenerates the dropped token identically
-        ids = ids[: max(0, tracked.request.max_tokens - 1)]
-        if ids and tracked.first_token_at is None:
-            tracked.first_token_at = now
-        tracked.resume_token_ids = ids
+        self._resume_after(tracked, ids, now)
         tracked.evictions += 1
         tracked.evict_requested = None
-        base = tracked.request
-        tracked.plan_view = dataclasses.replace(
-            tracked.plan_view,
-            prompt_tokens=base.prompt_tokens() + len(ids),
-            max_tokens=base.max_tokens - len(ids),
-        )
         self._place(tracked, now)
         log.info(
             "request_requeued_for_resume",
             request_id=ev.request_id,
             instance_id=ev.instance_id,
             reason=ev.reason,
-            resume_tokens=len(ids),
+            resume_tokens=len(tracked.resume_token_ids),
         )
         return tracked
+
+    def _resume_after(self, tracked: TrackedRequest, ids: list[int], now: float) -> None:
+        """The next attempt continues after ``ids`` (the output so far)."""
+        # keep at least one token to generate: an engine needs max_tokens >= 1, and greedy
+        # decoding regenerates the dropped token identically
+        ids = ids[: max(0, tracked.request.max_tokens - 1)]
+        if ids and tracked.first_token_at is None:
+            tracked.first_token_at = now
+        tracked.resume_token_ids = ids
+        base = tracked.request
+        tracked.plan_view = dataclasses.replace(
+            tracked.plan_view,
+            prompt_tokens=base.prompt_tokens() + len(ids),
+            max_tokens=base.max_tokens - len(ids),
+        )
+
+    # ---------------------------------------------------------------- token streams
+    def on_streamed(
+        self, request_id: str, offset: int, token_ids: list[int], attempt: int | None
+    ) -> bool:
+        """A token chunk an agent published to a streamed request's producer (the stream
+        tap): follow what the producer receives, by the producer's own rule
+        (:class:`qlm.streaming.Reassembler`). False where it is not taken: no such streamed
+        request here (answered, never seen, or not streamed), or tokens beyond its
+        ``max_tokens`` (an agent's bug, not the producer's output)."""
+        tracked = self.requests.get(request_id)
+        if (
+            tracked is None
+            or not tracked.request.stream
+            or tracked.state in (TrackState.ANSWERING, TrackState.DONE)
+            or offset + len(token_ids) > tracked.request.max_tokens
+        ):
+            return False
+        if tracked.streamed is None:
+            tracked.streamed = Reassembler()
+        tracked.streamed.add(offset, token_ids, "", attempt)
+        return True
+
+    def _resume_from_stream(self, tracked: TrackedRequest, now: float) -> int:
+        """Its attempt was lost with its agent: where its producer already holds more of the
+        output than the next attempt would start from, it starts after that instead. Returns
+        1 where it did, else 0."""
+        streamed = tracked.streamed
+        if streamed is None:
+            return 0
+        have, resume = streamed.token_ids, tracked.resume_token_ids
+        if len(have) <= len(resume) or have[: len(resume)] != resume:
+            return 0
+        self._resume_after(tracked, list(have), now)
+        return int(len(tracked.resume_token_ids) > len(resume))
 
     def lso_orders(self, plan: Plan) -> tuple[list[ModelStateOrder], list[EvictOrder]]:
         """Turn the plan's LSO decisions (``plan.lso``, from policies that make them) into

@@ -75,11 +75,13 @@ from qlm.logging import log_request_outcome
 from qlm.metrics import CoordinatorMetrics
 from qlm.policy import QueuePolicy
 from qlm.store import AnswerLogUnavailable, RequestStatus, Store, StoredAnswer
+from qlm.streaming import decode_token_message
 from qlm.topology import (
     CONTROL_EXCHANGE,
     REASON_HEADER,
     REASON_TEXT_HEADER,
     SERVED_MODELS_INTERVAL_S,
+    STREAM_TAP_QUEUE,
     Topology,
     agent_queue,
     agent_routing_key,
@@ -149,6 +151,10 @@ def _user_id(message: AbstractIncomingMessage) -> str | None:
 REPLY_REPUBLISH_S = 60.0
 DISPATCH_RETRY_S = 0.5  # pause before dispatching again after this side's publish failed
 ANSWER_PRUNE_INTERVAL_S = 600.0  # how often answers past their retention are deleted
+# The stream tap's barrier (:meth:`Coordinator._tap_barrier`): its marker's AMQP type, and
+# how long a lost agent's work waits for it at most (it takes a broker round trip)
+TAP_BARRIER_TYPE = "qlm.tap-barrier"
+TAP_BARRIER_TIMEOUT_S = 1.0
 
 
 class Coordinator:
@@ -189,6 +195,11 @@ class Coordinator:
         self.unserved_model_grace_s = (
             heartbeat_timeout_s if unserved_model_grace_s is None else unserved_model_grace_s
         )
+        # The stream tap's barriers (their message id -> the waiter): a loss waits until every
+        # chunk the broker routed before it was read (:meth:`_tap_barrier`)
+        self._tap_waiters: dict[str, asyncio.Future[None]] = {}
+        self.tap_messages = 0
+        self.tap_rejected = 0  # tap messages that were not token messages
         # Active from its first delivery, not from start(): a standby starts long before it
         # takes over (single active consumer) and then knows no instance yet either.
         self._active_since: float | None = None
@@ -274,6 +285,11 @@ class Coordinator:
             ctl_q = await ctl_ch.declare_queue(q.name, passive=True)
             await ctl_q.consume(self._on_control, no_ack=False)
             self._held.append(ctl_q)
+        # The stream tap: transient copies, nothing to settle, so no acks
+        tap_ch = await self._conn.channel()
+        tap_q = await tap_ch.declare_queue(self._topology.stream_tap.name, passive=True)
+        await tap_q.consume(self._on_stream_tap, no_ack=True)
+        self._held += [tap_ch, tap_q]
         # One channel per shard: prefetch is per consumer, and each holds up to 65,535 unacked.
         for q in self._topology.shards:
             ch = await self._conn.channel()
@@ -807,7 +823,72 @@ class Coordinator:
                 e.tracked.evict_requested = None
                 log.warning("evict_failed", request_id=e.tracked.request_id, error=repr(exc))
 
+    # ------------------------------------------------------------------ stream tap
+    async def _on_stream_tap(self, message: AbstractIncomingMessage) -> None:
+        """A copy of a token-stream message an agent sent a producer (or a barrier of ours):
+        the core follows each streamed request's output as its producer receives it. Best
+        effort, like the chunks: a message that is not one is counted and dropped."""
+        if message.type == TAP_BARRIER_TYPE:
+            waiter = self._tap_waiters.pop(message.message_id or "", None)
+            if waiter is not None and not waiter.done():
+                waiter.set_result(None)
+            return
+        self.tap_messages += 1
+        try:
+            if len(message.body) > self.max_body_bytes:
+                raise ValueError("body too large")
+            chunks = decode_token_message(message.body, message.correlation_id)
+        except (ValidationError, ValueError) as exc:
+            self.tap_rejected += 1
+            log.warning("stream_tap_message_dropped", error=str(exc)[:300])
+            return
+        for _, chunk in chunks:
+            self.core.on_streamed(chunk.request_id, chunk.offset, chunk.token_ids, chunk.attempt)
+
+    async def _tap_barrier(self, timeout_s: float = TAP_BARRIER_TIMEOUT_S) -> bool:
+        """Wait until the tap has been read up to now: a marker published to its end comes back
+        after every chunk routed there before it (one queue, one consumer, in order). False
+        after ``timeout_s`` (a standby holds the tap, the broker is slow): go on without."""
+        assert self._pub is not None
+        marker = uuid.uuid4().hex
+        waiter = self._tap_waiters[marker] = asyncio.get_running_loop().create_future()
+        try:
+            await self._pub.default_exchange.publish(
+                aio_pika.Message(
+                    b"", type=TAP_BARRIER_TYPE, message_id=marker, expiration=timeout_s
+                ),
+                routing_key=STREAM_TAP_QUEUE,
+                mandatory=False,
+            )
+            await asyncio.wait_for(waiter, timeout_s)
+            return True
+        except Exception as exc:
+            log.warning("stream_tap_barrier_missed", error=repr(exc)[:200])
+            return False
+        finally:
+            self._tap_waiters.pop(marker, None)
+
     def _lost_agent(self, agent_id: str, reason: str) -> None:
+        """An agent is gone: its work goes elsewhere. Where some of it streams, first read the
+        chunks it sent before it went (the tap barrier), so that those requests resume after
+        the tokens their producers have."""
+        streaming = any(
+            (t := self.core.requests.get(rid)) is not None and t.request.stream
+            for inst in self.core.instances.values()
+            if inst.info.agent_id == agent_id and inst.status != "lost"
+            for rid in inst.running
+        )
+        if not streaming:
+            self._lose_agent(agent_id, reason)
+            return
+
+        async def after_tap() -> None:
+            await self._tap_barrier()
+            self._lose_agent(agent_id, reason)
+
+        self._spawn(after_tap())
+
+    def _lose_agent(self, agent_id: str, reason: str) -> None:
         now = time.time()
         lost = [
             i.instance_id

@@ -44,7 +44,7 @@ from qlm.metrics import CoordinatorMetrics
 from qlm.planner import create_policy
 from qlm.store import Store
 from qlm.tooling.chaos.rawamqp import RawPublisher, raw_table
-from qlm.topology import DEAD_LETTER_QUEUE, REASON_HEADER, REASON_TEXT_HEADER
+from qlm.topology import DEAD_LETTER_QUEUE, REASON_HEADER, REASON_TEXT_HEADER, STREAM_TAP_QUEUE
 from qlm.types import SLO, ErrorCode, ErrorMessage, RequestMessage, ResultMessage
 from tests.unit.test_admin_api import MemoryBackend
 
@@ -413,6 +413,38 @@ async def test_hostile_bodies_get_one_coded_error_on_their_first_delivery(
         # nothing was tracked or counted for any of them
         assert not live.coord.core.requests and not live.coord.core.tenant_counts
         await assert_served_once(live, "valid-after-bodies")
+        live.assert_connection_kept()
+
+
+async def test_bad_messages_on_the_stream_tap_are_dropped_and_a_barrier_still_passes(
+    isolated_amqp_url: str, tmp_path: Path
+) -> None:
+    """The coordinator's stream tap (qlm.streams.tap) takes only token messages: anything else
+    that reaches it (a trusted agent's bug) is counted and dropped, chunks for requests it
+    does not track change nothing, and its loss barrier still comes back behind them."""
+    async with live_cluster(isolated_amqp_url, tmp_path) as live:
+        conn = await aio_pika.connect(isolated_amqp_url)
+        try:
+            ch = await conn.channel()
+            bodies = [
+                b"not json",
+                b'{"type": "tokens"}',
+                b'{"type": "result", "request_id": "x"}',
+                json.dumps(
+                    {"type": "tokens", "request_id": "nobody", "offset": 0, "token_ids": [1]}
+                ).encode(),
+                b"x" * (live.coord.max_body_bytes + 1),
+            ]
+            for body in bodies:
+                await ch.default_exchange.publish(
+                    aio_pika.Message(body, type="tokens"), routing_key=STREAM_TAP_QUEUE
+                )
+        finally:
+            await conn.close()
+        assert await live.coord._tap_barrier(5.0), "the barrier did not come back"
+        assert live.coord.tap_messages == len(bodies)
+        assert live.coord.tap_rejected == len(bodies) - 1  # all but the chunk for nobody
+        await assert_served_once(live, "valid-after-tap")
         live.assert_connection_kept()
 
 

@@ -27,6 +27,20 @@ def families(text: str) -> dict[str, list[tuple[dict[str, str], float, str]]]:
     return out
 
 
+LATENCIES = (
+    "qlm_time_to_first_token_seconds",
+    "qlm_e2e_request_latency_seconds",
+    "qlm_request_queue_time_seconds",
+    "qlm_request_time_per_output_token_seconds",
+)
+
+
+def completions_counted(
+    fams: dict[str, list[tuple[dict[str, str], float, str]]], name: str
+) -> float:
+    return sum(v for _, v, n in fams.get(name, []) if n.endswith("_count"))
+
+
 async def test_agent_and_coordinator_health_metrics_and_request_log(
     isolated_amqp_url: str, tmp_path: Path
 ) -> None:
@@ -56,11 +70,15 @@ async def test_agent_and_coordinator_health_metrics_and_request_log(
             assert all(isinstance(r, ResultMessage) for r in replies)
 
             agent_text = (await http.get(agent_url + "/metrics")).text
-            # the coordinator's instance gauges follow heartbeats on its liveness tick
+            # the coordinator's instance gauges follow heartbeats on its liveness tick, and it
+            # records a request's latencies when it consumes the completion report, which may
+            # come after the producer already holds the reply
             deadline = asyncio.get_running_loop().time() + 15
             while True:
                 coord = await http.get(cluster.admin_url + "/metrics")
-                if "qlm_instance_num_requests_running{" in coord.text:
+                if "qlm_instance_num_requests_running{" in coord.text and all(
+                    completions_counted(families(coord.text), name) == 5 for name in LATENCIES
+                ):
                     break
                 assert asyncio.get_running_loop().time() < deadline, coord.text
                 await asyncio.sleep(0.2)
@@ -78,12 +96,8 @@ async def test_agent_and_coordinator_health_metrics_and_request_log(
             (lbl, v) for lbl, v, n in c["qlm_time_to_first_token_seconds"] if n.endswith("_count")
         ]
         assert ttft == [({"model_name": "mistral-7b", "slo_class": "chat", "tenant": "acme"}, 5)]
-        for name in (
-            "qlm_e2e_request_latency_seconds",
-            "qlm_request_queue_time_seconds",
-            "qlm_request_time_per_output_token_seconds",
-        ):
-            assert sum(v for _, v, n in c[name] if n.endswith("_count")) == 5, name
+        for name in LATENCIES:
+            assert completions_counted(c, name) == 5, name
         assert {lbl["instance_id"] for lbl, _, _ in c["qlm_instance_num_requests_running"]} == {
             "obs-a-gpu0"
         }

@@ -1,0 +1,98 @@
+"""A streamed request whose agent is lost resumes after the tokens its producer received (the
+coordinator's stream tap, CoordinatorCore.on_streamed), not from scratch: a sampled answer
+run again would contradict what the producer already shows."""
+
+from __future__ import annotations
+
+from qlm.coordinator.core import CoordinatorCore, TrackState
+from tests.unit.test_coordinator_core import _dispatched, _evicted, core_with
+
+
+def streaming_core(**kw):  # type: ignore[no-untyped-def]
+    core = core_with({"a": 1, "b": 1})
+    t, order = _dispatched(core, stream=True, **kw)
+    return core, t, order
+
+
+def test_a_lost_attempt_resumes_after_what_its_producer_received() -> None:
+    core, t, order = streaming_core(prompt_len=16, max_tokens=10)
+    assert core.on_streamed(t.request_id, 0, [11, 12], attempt=1)
+    assert core.on_streamed(t.request_id, 2, [13], attempt=1)
+    moved = core.lose_agent(order.agent_id, "connection_closed", now=5.0)
+    assert moved == [t] and t.state == TrackState.QUEUED
+    assert t.resume_token_ids == [11, 12, 13] and t.first_token_at == 5.0
+    assert (t.plan_view.prompt_tokens, t.plan_view.max_tokens) == (19, 7)
+    other = next(iid for iid in core.instances if iid != order.instance_id)
+    core.on_pull(other, 1)
+    [again] = core.next_dispatches(6.0)
+    assert again.tracked is t and t.attempts == 2 and t.resume_token_ids == [11, 12, 13]
+
+
+def test_the_producer_s_rule_decides_what_counts_as_received() -> None:
+    core, t, order = streaming_core(max_tokens=10)
+    rid = t.request_id
+    # a chunk past a gap is held, as the producer holds it, until the gap fills
+    assert core.on_streamed(rid, 2, [3, 4], attempt=1)
+    assert core.on_streamed(rid, 0, [1, 2], attempt=1)
+    # a repeated or overlapping chunk adds only its new tail
+    assert core.on_streamed(rid, 3, [4, 5], attempt=1)
+    core.lose_agent(order.agent_id, "goodbye", now=1.0)
+    assert t.resume_token_ids == [1, 2, 3, 4, 5]
+
+
+def test_chunks_that_arrive_after_the_loss_count_at_the_next_dispatch() -> None:
+    core, t, order = streaming_core(max_tokens=10)
+    core.on_streamed(t.request_id, 0, [1], attempt=1)
+    core.lose_agent(order.agent_id, "connection_closed", now=1.0)
+    assert t.resume_token_ids == [1]
+    core.on_streamed(t.request_id, 1, [2, 3], attempt=1)  # routed before the loss, read after
+    other = next(iid for iid in core.instances if iid != order.instance_id)
+    core.on_pull(other, 1)
+    [again] = core.next_dispatches(2.0)
+    assert t.resume_token_ids == [1, 2, 3] and t.plan_view.max_tokens == 7
+
+
+def test_an_eviction_report_stays_the_resume_point_when_it_has_more() -> None:
+    core, t, order = streaming_core(max_tokens=10)
+    core.on_streamed(t.request_id, 0, [1, 2], attempt=1)
+    core.on_evicted(_evicted(order, [1, 2, 3, 4]), now=1.0)
+    assert t.resume_token_ids == [1, 2, 3, 4]
+    core.on_pull(t.instance_id, 1)
+    core.next_dispatches(2.0)
+    assert t.resume_token_ids == [1, 2, 3, 4]  # the shorter stream does not shorten it
+
+
+def test_at_least_one_token_is_left_to_generate() -> None:
+    core, t, order = streaming_core(max_tokens=4)
+    core.on_streamed(t.request_id, 0, [1, 2, 3, 4], attempt=1)
+    core.lose_agent(order.agent_id, "connection_closed", now=1.0)
+    assert t.resume_token_ids == [1, 2, 3] and t.plan_view.max_tokens == 1
+
+
+def test_chunks_that_cannot_be_the_producer_s_are_not_taken() -> None:
+    core, t, order = streaming_core(max_tokens=4)
+    assert not core.on_streamed("nobody", 0, [1], attempt=1)
+    assert not core.on_streamed(t.request_id, 2, [1, 2, 3], attempt=1)  # beyond max_tokens
+    plain, plain_order = _dispatched(core, max_tokens=4)
+    assert not core.on_streamed(plain.request_id, 0, [1], attempt=1)  # it does not stream
+    assert core.accept_result(t.request_id, order.dispatch_id) is t
+    assert not core.on_streamed(t.request_id, 0, [1], attempt=1)  # being answered
+    assert t.streamed is None and plain.streamed is None
+
+
+def test_a_stream_that_contradicts_the_resume_point_leaves_it_alone() -> None:
+    core, t, order = streaming_core(max_tokens=10)
+    core.on_evicted(_evicted(order, [7, 8]), now=1.0)
+    core.on_streamed(t.request_id, 0, [1, 2, 3], attempt=1)  # not what the engine reported
+    core.on_pull(t.instance_id, 1)
+    [again] = core.next_dispatches(2.0)
+    moved = core.lose_agent(again.agent_id, "connection_closed", now=3.0)
+    assert moved == [t] and t.resume_token_ids == [7, 8]
+
+
+def test_a_lost_request_without_a_stream_starts_again_as_before() -> None:
+    core = core_with({"a": 1, "b": 1})
+    t, order = _dispatched(core, max_tokens=10)
+    assert isinstance(core, CoordinatorCore)
+    core.lose_agent(order.agent_id, "connection_closed", now=1.0)
+    assert t.resume_token_ids == [] and t.plan_view.max_tokens == 10
