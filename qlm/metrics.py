@@ -125,6 +125,18 @@ class MetricDef:
         return (self.name,)
 
 
+def counter_by(
+    name: str, documentation: str, label: str, values: Iterable[str], registry: CollectorRegistry
+) -> tuple[Counter, dict[str, Any]]:
+    """A counter with one label whose values are known, and each value's series, created at 0
+    so that a rate is defined before the first event."""
+    counter = Counter(name, documentation, [label], registry=registry)
+    children = {v: counter.labels(**{label: v}) for v in values}
+    for child in children.values():
+        child.inc(0)
+    return counter, children
+
+
 def wrapper_defs(metrics: Iterable[Any]) -> list[MetricDef]:
     """The :class:`MetricDef` of each prometheus_client metric object among ``metrics``.
 
@@ -281,15 +293,25 @@ class CoordinatorMetrics:
             ["reason"],
             registry=r,
         )
-        self._shed = Counter(
+        self._shed, self._shed_children = counter_by(
             f"{namespace}_shed_requests",
             "New requests refused with an 'overloaded' error, by the limit hit (global | tenant)",
-            ["limit"],
+            "limit",
+            ("global", "tenant"),
+            r,
+        )
+        self._stream_tap, self._stream_tap_children = counter_by(
+            f"{namespace}_stream_tap_messages",
+            "Token-stream messages read from the stream tap, by outcome (read | dropped)",
+            "outcome",
+            ("read", "dropped"),
+            r,
+        )
+        self._stream_resumes = Counter(
+            f"{namespace}_stream_resumes",
+            "Streamed requests whose lost attempt was resumed after the tokens their producer had",
             registry=r,
         )
-        self._shed_children = {k: self._shed.labels(limit=k) for k in ("global", "tenant")}
-        for child in self._shed_children.values():
-            child.inc(0)
         self._duplicates = Counter(
             f"{namespace}_duplicate_requests",
             "Copies of a request id published while it was tracked: acked at once, not run",
@@ -320,18 +342,14 @@ class CoordinatorMetrics:
             registry=r,
         )
         self._eviction_children = {m: self._evictions.labels(mode=m) for m in ("evict", "swap")}
-        self._plan_arrivals = Counter(
+        self._plan_arrivals, self._plan_arrival_children = counter_by(
             f"{namespace}_plan_arrivals",
             "Requests placed while a plan was computed, by outcome (started: sent at once to a "
             "free batch slot | waited: placed when the plan was in)",
-            ["outcome"],
-            registry=r,
+            "outcome",
+            ("started", "waited"),
+            r,
         )
-        self._plan_arrival_children = {
-            o: self._plan_arrivals.labels(outcome=o) for o in ("started", "waited")
-        }
-        for child in self._plan_arrival_children.values():
-            child.inc(0)
         self._unacked = Gauge(
             f"{namespace}_unacked_deliveries",
             "Broker deliveries held unacked by this coordinator",
@@ -478,6 +496,13 @@ class CoordinatorMetrics:
             child = self._slo.labels(slo_class=label, met="true" if met else "false")
             self._slo_children[(label, met)] = child
         child.inc()
+
+    def observe_stream_tap(self, outcome: str) -> None:
+        self._stream_tap_children[outcome].inc()
+
+    def observe_stream_resumes(self, n: int) -> None:
+        if n > 0:
+            self._stream_resumes.inc(n)
 
     def observe_requeue(self, reason: str) -> None:
         child = self._requeue_children.get(reason)

@@ -89,6 +89,7 @@ class TrackedRequest:
     # gets tokens that contradict what it already has (a sampled answer run again from
     # scratch would differ).
     streamed: Reassembler | None = None
+    stream_resumed_after: int = 0  # the attempt whose loss last resumed it after its stream
     evictions: int = 0
     # an evicted attempt produced tokens: the first came no later than this (the Evicted
     # report's arrival); the reply's TTFT uses it, a conservative bound
@@ -359,6 +360,8 @@ class CoordinatorCore:
         # Recently answered ids: a redelivery of one of these is acked without a second reply.
         self.answered: OrderedDict[str, None] = OrderedDict()
         self.answered_limit = 200_000
+        # streamed requests resumed after the tokens their producer had (_resume_from_stream)
+        self.stream_resumes = 0
         # cancels that came before their request, with the tenant that sent them (bounded,
         # like `answered`); honoured only for a request of that tenant
         self.cancelled_early: OrderedDict[str, str] = OrderedDict()
@@ -1161,7 +1164,13 @@ class CoordinatorCore:
         if len(have) <= len(resume) or have[: len(resume)] != resume:
             return 0
         self._resume_after(tracked, list(have), now)
-        return int(len(tracked.resume_token_ids) > len(resume))
+        if len(tracked.resume_token_ids) <= len(resume):
+            return 0
+        if tracked.stream_resumed_after != tracked.attempts:
+            # once per lost attempt (chunks read after the loss extend it at the dispatch)
+            tracked.stream_resumed_after = tracked.attempts
+            self.stream_resumes += 1
+        return 1
 
     def lso_orders(self, plan: Plan) -> tuple[list[ModelStateOrder], list[EvictOrder]]:
         """Turn the plan's LSO decisions (``plan.lso``, from policies that make them) into

@@ -200,6 +200,7 @@ class Coordinator:
         self._tap_waiters: dict[str, asyncio.Future[None]] = {}
         self.tap_messages = 0
         self.tap_rejected = 0  # tap messages that were not token messages
+        self._stream_resumes_seen = 0  # the core's count, as the metric has it
         # Active from its first delivery, not from start(): a standby starts long before it
         # takes over (single active consumer) and then knows no instance yet either.
         self._active_since: float | None = None
@@ -840,8 +841,10 @@ class Coordinator:
             chunks = decode_token_message(message.body, message.correlation_id)
         except (ValidationError, ValueError) as exc:
             self.tap_rejected += 1
+            self.metrics.observe_stream_tap("dropped")
             log.warning("stream_tap_message_dropped", error=str(exc)[:300])
             return
+        self.metrics.observe_stream_tap("read")
         for _, chunk in chunks:
             self.core.on_streamed(chunk.request_id, chunk.offset, chunk.token_ids, chunk.attempt)
 
@@ -1572,6 +1575,9 @@ class Coordinator:
         )
 
     def _refresh_gauges(self) -> None:
+        resumes = self.core.stream_resumes
+        self.metrics.observe_stream_resumes(resumes - self._stream_resumes_seen)
+        self._stream_resumes_seen = resumes
         for iid, depth in self.core.queue_depths().items():
             self.metrics.set_queue_depth(iid, depth)
         self.metrics.set_state_counts(self.core.state_counts())

@@ -15,6 +15,7 @@ import zlib
 from pathlib import Path
 
 import aio_pika
+import httpx
 import pytest
 from aio_pika.abc import AbstractIncomingMessage, AbstractQueue
 
@@ -134,6 +135,7 @@ async def test_agent_killed_mid_stream_no_token_repeated_or_missing(
         runs = await asyncio.gather(*tasks)
         await asyncio.sleep(0.5)
         assert client.duplicate_count() == 0
+        resumes = await stream_resumes_counted(cluster.admin_url)
     retried = 0
     for i, (timed, result) in enumerate(runs):
         pieces = [p for _, p in timed]
@@ -153,6 +155,23 @@ async def test_agent_killed_mid_stream_no_token_repeated_or_missing(
         # and the moved stream went on from b's chunks, not from the result at the end
         assert sum(len(p.token_ids) for p in pieces[:-1]) >= max_tokens - 50
     assert retried > 0, "the killed agent had streams in flight; they must have moved"
+    assert resumes == retried, (resumes, retried)
+
+
+async def stream_resumes_counted(admin_url: str) -> float:
+    """The coordinator's qlm_stream_resumes_total, once its liveness tick has counted them."""
+    async with httpx.AsyncClient(timeout=10) as http:
+        deadline = time.monotonic() + 10
+        while True:
+            text = (await http.get(admin_url + "/metrics")).text
+            found = [
+                float(line.split()[-1])
+                for line in text.splitlines()
+                if line.startswith("qlm_stream_resumes_total ")
+            ]
+            if (found and found[0] > 0) or time.monotonic() > deadline:
+                return found[0] if found else 0.0
+            await asyncio.sleep(0.2)
 
 
 def dispatch(rid: str, routes: list[tuple[str, str | None]]) -> Dispatch:

@@ -21,6 +21,7 @@ def test_a_lost_attempt_resumes_after_what_its_producer_received() -> None:
     moved = core.lose_agent(order.agent_id, "connection_closed", now=5.0)
     assert moved == [t] and t.state == TrackState.QUEUED
     assert t.resume_token_ids == [11, 12, 13] and t.first_token_at == 5.0
+    assert core.stream_resumes == 1
     assert (t.plan_view.prompt_tokens, t.plan_view.max_tokens) == (19, 7)
     other = next(iid for iid in core.instances if iid != order.instance_id)
     core.on_pull(other, 1)
@@ -50,6 +51,7 @@ def test_chunks_that_arrive_after_the_loss_count_at_the_next_dispatch() -> None:
     core.on_pull(other, 1)
     [again] = core.next_dispatches(2.0)
     assert t.resume_token_ids == [1, 2, 3] and t.plan_view.max_tokens == 7
+    assert core.stream_resumes == 1  # one lost attempt, counted once
 
 
 def test_an_eviction_report_stays_the_resume_point_when_it_has_more() -> None:
@@ -96,3 +98,4 @@ def test_a_lost_request_without_a_stream_starts_again_as_before() -> None:
     assert isinstance(core, CoordinatorCore)
     core.lose_agent(order.agent_id, "connection_closed", now=1.0)
     assert t.resume_token_ids == [] and t.plan_view.max_tokens == 10
+    assert core.stream_resumes == 0
