@@ -95,6 +95,9 @@ class TokenDelta:
     offset: int
     token_ids: list[int]
     text: str  # the detokenized text of these tokens ("" when the backend has no tokenizer)
+    # the engine finished the request with these tokens: nothing follows them (the chunk that
+    # carries them tells the coordinator that a producer may hold the whole answer)
+    final: bool = False
 
 
 OutputCallback = Callable[[EngineOutput], Awaitable[None]]

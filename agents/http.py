@@ -583,7 +583,9 @@ class HttpEngine(EngineBackend):
         live.new_ids.extend(ids)
         text = str(choice.get("text") or "")
         live.texts.append(text)
-        self._emit_tokens(TokenDelta(live.request.request_id, offset, ids, text))
+        # vLLM sends a request's finish reason with its last tokens
+        final = choice.get("finish_reason") not in (None, "abort")
+        self._emit_tokens(TokenDelta(live.request.request_id, offset, ids, text, final=final))
 
     async def _classify(self, exc: Exception) -> _Failed:
         if isinstance(exc, httpx.TransportError):

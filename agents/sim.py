@@ -369,14 +369,15 @@ class SimEngine(EngineBackend):
             if sim.first_token_at is None:
                 sim.first_token_at = now
         if self._streaming:
+            ended = {sim.request_id for sim in result.finished}
             for sim in list(self._streaming.values()):
-                self._stream_tokens(sim)
+                self._stream_tokens(sim, final=sim.request_id in ended)
         for sim in result.finished:
             self._finish(sim, now)
         self._record_throughput(result.tokens, seconds / self.time_scale)
         self.iterations += 1
 
-    def _stream_tokens(self, sim: _SimRequest) -> None:
+    def _stream_tokens(self, sim: _SimRequest, final: bool = False) -> None:
         """Report the tokens a streamed request generated since the last report. The text
         pieces concatenate to the final ``output_text`` (tokens joined by spaces)."""
         self._engine.sync(sim)
@@ -389,7 +390,9 @@ class SimEngine(EngineBackend):
             return  # the sampler broke: the request's output reports the fault
         sim.streamed = end
         text = " ".join(f"t{token}" for token in ids)
-        self._emit_tokens(TokenDelta(sim.request_id, start, ids, " " + text if start else text))
+        self._emit_tokens(
+            TokenDelta(sim.request_id, start, ids, " " + text if start else text, final=final)
+        )
 
     def _token_at(self, sim: _SimRequest, index: int) -> int:
         return _mix64(sim.token_seed, index) % VOCAB_SIZE

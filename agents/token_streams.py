@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from dataclasses import dataclass, field
+from typing import Any
 
 import aio_pika
 import structlog
@@ -31,7 +32,7 @@ from aio_pika.abc import AbstractChannel, AbstractRobustConnection
 from qlm.agents.engine import TokenDelta
 from qlm.control import Dispatch, ReplyRoute
 from qlm.streaming import encode_token_message
-from qlm.topology import STREAM_TAP_QUEUE
+from qlm.topology import STREAM_END_HEADER, STREAM_TAP_QUEUE
 from qlm.types import CONTENT_TYPE, BatchedChunk
 
 log = structlog.get_logger(__name__)
@@ -63,6 +64,7 @@ class _Cut:
     token_ids: list[int]
     text: str
     attempt: int
+    final: bool = False  # it carries the request's last tokens
 
 
 @dataclass
@@ -73,6 +75,7 @@ class _Stream:
     token_ids: list[int] = field(default_factory=list)
     text: list[str] = field(default_factory=list)
     sent_any: bool = False
+    final: bool = False  # the engine finished it: the buffered tokens are its last
 
 
 class TokenStreams:
@@ -151,6 +154,7 @@ class TokenStreams:
             stream.offset = delta.offset
         stream.token_ids.extend(delta.token_ids)
         stream.text.append(delta.text)
+        stream.final = stream.final or delta.final
         if not stream.sent_any or len(stream.token_ids) >= self.max_chunk_tokens:
             # the first tokens are the client's TTFT: no batching delay for them
             self._urgent.set()
@@ -169,6 +173,7 @@ class TokenStreams:
             token_ids=stream.token_ids,
             text="".join(stream.text),
             attempt=stream.attempt,
+            final=stream.final,
         )
         (self._outbox if stream.sent_any else self._first).append(cut)
         if len(self._outbox) > MAX_OUTBOX:
@@ -211,6 +216,14 @@ class TokenStreams:
                 for cid, cut in group
             ]
         )
+        # the coordinator's copy (qlm.topology.STREAM_TAP_QUEUE): routed with the producer's by
+        # the same publish, so it follows exactly what the producer can receive (BCC is
+        # stripped before delivery); and which requests' last tokens this carries, so that it
+        # never resumes one after its end
+        headers: dict[str, Any] = {"BCC": [STREAM_TAP_QUEUE]}
+        ended = [cut.request_id for _, cut in group if cut.final]
+        if ended:
+            headers[STREAM_END_HEADER] = ended
         try:
             channel = await self._ensure_channel()
             await channel.default_exchange.publish(
@@ -221,10 +234,7 @@ class TokenStreams:
                     type=TOKENS_TYPE,
                     delivery_mode=aio_pika.DeliveryMode.NOT_PERSISTENT,
                     expiration=CHUNK_TTL_MS / 1000,
-                    # the coordinator's copy (qlm.topology.STREAM_TAP_QUEUE): routed with the
-                    # producer's by the same publish, so it follows exactly what the producer
-                    # can receive; BCC is stripped before delivery
-                    headers={"BCC": [STREAM_TAP_QUEUE]},
+                    headers=headers,
                 ),
                 routing_key=reply_to,
                 mandatory=False,  # a producer that went away loses its chunks, no more

@@ -565,7 +565,7 @@ class VllmEngine(EngineBackend):
                     self._capacity_changed()  # it left vLLM's waiting queue
                 live.new_ids = list(completion.token_ids)
                 if req.stream:
-                    self._stream_tokens(live, completion)
+                    self._stream_tokens(live, completion, final=bool(out.finished))
                 if out.finished:
                     finish_reason = completion.finish_reason or "length"
         except asyncio.CancelledError:
@@ -615,7 +615,7 @@ class VllmEngine(EngineBackend):
         )
         self._capacity_changed()
 
-    def _stream_tokens(self, live: _Live, completion: Any) -> None:
+    def _stream_tokens(self, live: _Live, completion: Any, final: bool = False) -> None:
         """Report the tokens this step added (vLLM's outputs are cumulative). The text is the
         growth of vLLM's own incremental detokenization, so the pieces need no re-decoding;
         it holds back an incomplete character until the token that ends it."""
@@ -627,7 +627,9 @@ class VllmEngine(EngineBackend):
         piece = text[len(live.streamed_text) :] if text.startswith(live.streamed_text) else ""
         live.streamed, live.streamed_text = len(live.new_ids), text
         resumed = len(live.request.resume_token_ids)
-        self._emit_tokens(TokenDelta(live.request.request_id, resumed + start, ids, piece))
+        self._emit_tokens(
+            TokenDelta(live.request.request_id, resumed + start, ids, piece, final=final)
+        )
 
     async def _ensure_serving(self, model: _Model) -> None:
         """A request for a model that is not serving starts it (cold, CPU fallback) or, with

@@ -63,6 +63,10 @@ LIVE_ROUTING_KEY = "coordinator.live"
 STREAM_TAP_QUEUE = "qlm.streams.tap"
 STREAM_TAP_MAX_LENGTH = 100_000
 STREAM_TAP_TTL_MS = 60_000
+# A token message's header naming the requests whose last tokens it carries (the engine
+# finished them): the coordinator then never resumes such a request after its streamed
+# tokens (that would generate past the answer's end); producers may ignore it.
+STREAM_END_HEADER = "x-qlm-stream-end"
 
 # The coordinator's list of served models (control.ServedModels), to every gateway: a fanout
 # exchange, each gateway's exclusive queue bound to it. Transient messages: a stale list is

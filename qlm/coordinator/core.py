@@ -90,6 +90,9 @@ class TrackedRequest:
     # scratch would differ).
     streamed: Reassembler | None = None
     stream_resumed_after: int = 0  # the attempt whose loss last resumed it after its stream
+    # an engine streamed its last tokens: its producer may hold the whole answer, and an
+    # attempt resumed after it would generate past the answer's end
+    stream_ended: bool = False
     evictions: int = 0
     # an evicted attempt produced tokens: the first came no later than this (the Evicted
     # report's arrival); the reply's TTFT uses it, a conservative bound
@@ -1153,12 +1156,20 @@ class CoordinatorCore:
         tracked.streamed.add(offset, token_ids, "", attempt)
         return True
 
+    def on_stream_end(self, request_id: str) -> None:
+        """An engine streamed a request's last tokens (the tap's end header)."""
+        tracked = self.requests.get(request_id)
+        if tracked is not None and tracked.request.stream:
+            tracked.stream_ended = True
+
     def _resume_from_stream(self, tracked: TrackedRequest, now: float) -> int:
         """Its attempt was lost with its agent: where its producer already holds more of the
-        output than the next attempt would start from, it starts after that instead. Returns
-        1 where it did, else 0."""
+        output than the next attempt would start from, it starts after that instead (not once
+        an engine streamed its end: the answer is whole, and its result was lost with the
+        agent; it runs again from its last resume point, as a request without a stream).
+        Returns 1 where it did, else 0."""
         streamed = tracked.streamed
-        if streamed is None:
+        if streamed is None or tracked.stream_ended:
             return 0
         have, resume = streamed.token_ids, tracked.resume_token_ids
         if len(have) <= len(resume) or have[: len(resume)] != resume:

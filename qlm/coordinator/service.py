@@ -81,6 +81,7 @@ from qlm.topology import (
     REASON_HEADER,
     REASON_TEXT_HEADER,
     SERVED_MODELS_INTERVAL_S,
+    STREAM_END_HEADER,
     STREAM_TAP_QUEUE,
     Topology,
     agent_queue,
@@ -110,7 +111,7 @@ AGENT_QUEUE_PREFIX = agent_queue("")
 
 
 def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value or "")
+    return value.decode(errors="replace") if isinstance(value, bytes) else str(value or "")
 
 
 def request_log(
@@ -847,6 +848,10 @@ class Coordinator:
         self.metrics.observe_stream_tap("read")
         for _, chunk in chunks:
             self.core.on_streamed(chunk.request_id, chunk.offset, chunk.token_ids, chunk.attempt)
+        ended = (message.headers or {}).get(STREAM_END_HEADER)
+        if isinstance(ended, list):
+            for rid in ended[: len(chunks)]:
+                self.core.on_stream_end(_text(rid))
 
     async def _tap_barrier(self, timeout_s: float = TAP_BARRIER_TIMEOUT_S) -> bool:
         """Wait until the tap has been read up to now: a marker published to its end comes back

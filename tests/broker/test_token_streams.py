@@ -26,6 +26,7 @@ from qlm.agents.token_streams import TokenStreams
 from qlm.client import QlmClient, StreamPiece
 from qlm.control import Dispatch, ReplyRoute
 from qlm.streaming import decode_token_message
+from qlm.topology import STREAM_END_HEADER, declare_topology
 from qlm.types import SLO, RequestMessage, ResultMessage
 from tests.e2e import running_cluster
 
@@ -264,6 +265,40 @@ async def test_agent_sends_one_message_per_reply_queue_per_flush_first_tokens_at
         ]
         assert await gateway.get(no_ack=True, fail=False) is None
         assert (streams.published, streams.messages, streams.publish_failures) == (11, 6, 0)
+    finally:
+        await streams.stop()
+        await conn.close()
+
+
+async def test_every_token_message_reaches_the_tap_and_names_the_streams_it_ends(
+    isolated_amqp_url: str,
+) -> None:
+    """The coordinator's copy: the same publish routes each token message to the reply queue
+    and to qlm.streams.tap (BCC, stripped on delivery), and the message with a request's last
+    tokens names it in its end header, on both copies."""
+    conn = await qlm_amqp.connect(isolated_amqp_url, name="test-token-tap")
+    streams = TokenStreams(flush_interval_s=0.01)
+    try:
+        channel = await conn.channel()
+        topology = await declare_topology(channel, shards=1)
+        tap = topology.stream_tap
+        gateway = await channel.declare_queue("gw-tap", exclusive=True)
+        await streams.start(conn)
+        streams.open(dispatch("a", [("gw-tap", "cid-a")]))
+        streams.on_delta(TokenDelta("a", 0, [1, 2], "x"))
+        first, first_tap = await next_message(gateway), await next_message(tap)
+        assert contents(first) == contents(first_tap) == [("cid-a", "a", 0, [1, 2])]
+        for m in (first, first_tap):
+            assert STREAM_END_HEADER not in (m.headers or {})
+            assert "BCC" not in (m.headers or {})
+        streams.on_delta(TokenDelta("a", 2, [3], "y", final=True))
+        last, last_tap = await next_message(gateway), await next_message(tap)
+        assert contents(last) == contents(last_tap) == [("cid-a", "a", 2, [3])]
+        for m in (last, last_tap):
+            ended = [
+                x.decode() if isinstance(x, bytes) else x for x in m.headers[STREAM_END_HEADER]
+            ]
+            assert ended == ["a"]
     finally:
         await streams.stop()
         await conn.close()

@@ -483,6 +483,8 @@ async def test_streamed_requests_report_token_deltas_with_output_offsets() -> No
         at += len(d.token_ids)
     assert [t for d in deltas for t in d.token_ids] == out.output_token_ids
     assert "".join(d.text for d in deltas) == out.output_text
+    # the last tokens say the request ended with them, and no others do
+    assert [d.final for d in deltas] == [False] * (len(deltas) - 1) + [True]
 
     # resumed after 15 tokens (elsewhere, with the same seed): its first new token has offset
     # 15, and the tokens are the uninterrupted run's

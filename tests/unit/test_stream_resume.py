@@ -99,3 +99,15 @@ def test_a_lost_request_without_a_stream_starts_again_as_before() -> None:
     core.lose_agent(order.agent_id, "connection_closed", now=1.0)
     assert t.resume_token_ids == [] and t.plan_view.max_tokens == 10
     assert core.stream_resumes == 0
+
+
+def test_a_stream_whose_end_was_streamed_is_not_resumed_after_it() -> None:
+    # the engine finished it and its producer may hold the whole answer; the agent died
+    # before its result reached the coordinator: resuming after the end would generate past
+    # it, so it runs again from its last resume point
+    core, t, order = streaming_core(max_tokens=10)
+    core.on_streamed(t.request_id, 0, [1, 2, 3], attempt=1)
+    core.on_stream_end(t.request_id)
+    core.on_stream_end("nobody")  # a request it does not track: nothing
+    core.lose_agent(order.agent_id, "connection_closed", now=1.0)
+    assert t.resume_token_ids == [] and core.stream_resumes == 0

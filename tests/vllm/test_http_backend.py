@@ -282,6 +282,8 @@ async def test_tokens_stream_in_order_with_their_offsets(
         offset += len(d.token_ids)
     assert [t for d in deltas for t in d.token_ids] == out.output_token_ids
     assert "".join(d.text for d in deltas) == out.output_text
+    # vLLM sends the finish reason with the last tokens: they say the request ended
+    assert [d.final for d in deltas] == [False] * (len(deltas) - 1) + [True]
 
 
 async def test_a_text_prompt_is_tokenized_by_the_server(

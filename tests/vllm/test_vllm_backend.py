@@ -182,6 +182,7 @@ async def test_streamed_requests_report_token_deltas_per_step(
             at += len(d.token_ids)
         assert [t for d in deltas for t in d.token_ids] == out.output_token_ids
         assert "".join(d.text for d in deltas) == out.output_text
+        assert [d.final for d in deltas] == [False] * (len(deltas) - 1) + [True]
         # an exact resume: the first new token's offset counts the resume ids
         deltas.clear()
         head = out.output_token_ids[:10]
