@@ -391,6 +391,8 @@ class Agent:
         if inst.dispatches.pop(order.request_id, None) is None:
             return  # the completion won the race while the engine aborted
         self.token_streams.close(order.request_id)
+        # not its end: the request goes on elsewhere, after these tokens
+        self.token_streams.release(order.request_id, final=False)
         inst.admission.forget(order.request_id)
         self.evicted += 1
         self.evictions[order.mode] = self.evictions.get(order.mode, 0) + 1
@@ -481,6 +483,8 @@ class Agent:
                     preemptions=out.preemptions,
                 )
             await self._report(msg)
+            # the stream's end only once its result is safe (qlm/agents/token_streams.py)
+            self.token_streams.release(out.request_id, final=isinstance(msg, Completion))
 
         return on_output
 

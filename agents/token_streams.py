@@ -16,13 +16,22 @@ has. The one durable, exactly-once answer is still the coordinator's
 ResultMessage, which carries the whole output, so a consumer fills any gap from it
 (qlm/streaming.py). Publishing never blocks the engine: the listener only appends to a
 buffer, and one task of its own does the I/O.
+
+A request's last chunk (the one with the engine's final tokens) is held until the agent's
+completion report for it is confirmed (:meth:`TokenStreams.release`). A stream's end thus
+never reaches anyone before its result is safe: were the agent to die in between, its
+producer would hold a whole answer that no durable result backs, and the request, run again
+(from scratch, since resuming after an answer's end would generate past it), could answer
+otherwise (sampling). Held back, the producer has a prefix, and the next attempt continues
+after it. It costs the last tokens one confirm round trip; the stream's consumer ends it at
+the result, which comes later still.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import aio_pika
@@ -96,6 +105,8 @@ class TokenStreams:
         # request's first, it overtakes nothing of its own)
         self._outbox: list[_Cut] = []
         self._first: list[_Cut] = []
+        # each request's last chunk, until its result is confirmed (module docstring)
+        self._held: dict[str, _Cut] = {}
         self._dirty = asyncio.Event()
         self._urgent = asyncio.Event()
         self._conn: AbstractRobustConnection | None = None
@@ -121,6 +132,7 @@ class TokenStreams:
         self._streams.clear()
         self._outbox.clear()
         self._first.clear()
+        self._held.clear()
 
     # ---- what the agent tells it
 
@@ -142,6 +154,19 @@ class TokenStreams:
             self._cut(request_id, stream)
             self._urgent.set()
             self._dirty.set()
+
+    def release(self, request_id: str, *, final: bool) -> None:
+        """The request's report is confirmed: its held last chunk goes out, as its stream's
+        end where ``final`` (a completion), else as plain tokens (the attempt was evicted or
+        failed: its report carries them, and the request goes on elsewhere)."""
+        cut = self._held.pop(request_id, None)
+        if cut is None:
+            return
+        if not final:
+            cut = replace(cut, final=False)
+        self._outbox.append(cut)
+        self._urgent.set()
+        self._dirty.set()
 
     def on_delta(self, delta: TokenDelta) -> None:
         """The engine's token listener: called from the engine's loop, so it only buffers."""
@@ -175,7 +200,13 @@ class TokenStreams:
             attempt=stream.attempt,
             final=stream.final,
         )
-        (self._outbox if stream.sent_any else self._first).append(cut)
+        if cut.final:
+            earlier = self._held.pop(request_id, None)
+            if earlier is not None:  # never two ends; should one come, the older is tokens
+                self._outbox.append(replace(earlier, final=False))
+            self._held[request_id] = cut
+        else:
+            (self._outbox if stream.sent_any else self._first).append(cut)
         if len(self._outbox) > MAX_OUTBOX:
             del self._outbox[: len(self._outbox) - MAX_OUTBOX]
             self.publish_failures += 1

@@ -1165,8 +1165,9 @@ class CoordinatorCore:
     def _resume_from_stream(self, tracked: TrackedRequest, now: float) -> int:
         """Its attempt was lost with its agent: where its producer already holds more of the
         output than the next attempt would start from, it starts after that instead (not once
-        an engine streamed its end: the answer is whole, and its result was lost with the
-        agent; it runs again from its last resume point, as a request without a stream).
+        an engine streamed its end: the answer is whole, and an agent streams an end only
+        after its result is confirmed, so that result is on its way and is accepted when it
+        comes; meanwhile it is requeued from its last resume point, as without a stream).
         Returns 1 where it did, else 0."""
         streamed = tracked.streamed
         if streamed is None or tracked.stream_ended:

@@ -270,12 +270,13 @@ async def test_agent_sends_one_message_per_reply_queue_per_flush_first_tokens_at
         await conn.close()
 
 
-async def test_every_token_message_reaches_the_tap_and_names_the_streams_it_ends(
+async def test_every_token_message_reaches_the_tap_and_the_end_waits_for_the_result(
     isolated_amqp_url: str,
 ) -> None:
     """The coordinator's copy: the same publish routes each token message to the reply queue
     and to qlm.streams.tap (BCC, stripped on delivery), and the message with a request's last
-    tokens names it in its end header, on both copies."""
+    tokens names it in its end header, on both copies, once the agent's report for it is
+    confirmed (it is held until then)."""
     conn = await qlm_amqp.connect(isolated_amqp_url, name="test-token-tap")
     streams = TokenStreams(flush_interval_s=0.01)
     try:
@@ -291,7 +292,13 @@ async def test_every_token_message_reaches_the_tap_and_names_the_streams_it_ends
         for m in (first, first_tap):
             assert STREAM_END_HEADER not in (m.headers or {})
             assert "BCC" not in (m.headers or {})
+        # a's last tokens wait for its result to be safe (the agent's confirmed report)
         streams.on_delta(TokenDelta("a", 2, [3], "y", final=True))
+        streams.close("a")
+        await asyncio.sleep(0.2)
+        assert await gateway.get(no_ack=True, fail=False) is None
+        assert await tap.get(no_ack=True, fail=False) is None
+        streams.release("a", final=True)
         last, last_tap = await next_message(gateway), await next_message(tap)
         assert contents(last) == contents(last_tap) == [("cid-a", "a", 2, [3])]
         for m in (last, last_tap):
@@ -299,6 +306,18 @@ async def test_every_token_message_reaches_the_tap_and_names_the_streams_it_ends
                 x.decode() if isinstance(x, bytes) else x for x in m.headers[STREAM_END_HEADER]
             ]
             assert ended == ["a"]
+
+        # an attempt evicted as it ended: its last tokens go out, not as the stream's end
+        streams.open(dispatch("b", [("gw-tap", "cid-b")]))
+        streams.on_delta(TokenDelta("b", 0, [7, 8], "z", final=True))
+        streams.close("b")
+        streams.release("b", final=False)
+        for m in (await next_message(gateway), await next_message(tap)):
+            assert contents(m) == [("cid-b", "b", 0, [7, 8])]
+            assert STREAM_END_HEADER not in (m.headers or {})
+        streams.release("b", final=True)  # nothing held any more: nothing sent
+        await asyncio.sleep(0.1)
+        assert await gateway.get(no_ack=True, fail=False) is None
     finally:
         await streams.stop()
         await conn.close()

@@ -369,12 +369,18 @@ async def agent_kill(s: ChaosSettings, amqp_url: str | None) -> ScenarioResult:
 async def agent_kill_streams(s: ChaosSettings, amqp_url: str | None) -> ScenarioResult:
     """An agent SIGKILLed under many concurrent token streams (stream: true): besides one reply
     each, every stream must hand over each output token exactly once - none repeated after
-    the request moved to the other agent (which regenerates them), none missing."""
+    the request moved to the other agent (which resumes after the tokens already streamed),
+    none missing - and equal its reply. The two engines draw different tokens for the same
+    request (engine seeds 0 and 1), as sampling does on two GPUs: a moved request run again
+    from scratch would contradict what its stream already delivered."""
     assert amqp_url is not None
     name = "agent-kill-streams"
     started = time.monotonic()
+    agents = _agents(2, 1, s.time_scale)
+    for i, agent in enumerate(agents):
+        agent["extra_args"] = ["--seed", str(i)]
     async with (
-        _fleet(amqp_url, s.workdir / name, _agents(2, 1, s.time_scale), s) as fleet,
+        _fleet(amqp_url, s.workdir / name, agents, s) as fleet,
         ChaosLoad(
             amqp_url,
             f"{name}-{os.getpid()}",
