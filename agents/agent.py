@@ -106,6 +106,7 @@ class Agent:
         cpu_memory_gb: float | None = None,
         output_budget: OutputBudget | None = None,
         feed_tokens: int | None = None,
+        stream_fence_after_s: float | None = None,
     ) -> None:
         """``admission_gate``: SABER's SLO-aware admission in front of each engine (None: a
         dispatched request goes to the engine at once; the engine's own limits apply).
@@ -113,7 +114,10 @@ class Agent:
         once an iteration; at least one request), the rest of a pull held here (None: a whole
         pull at once).
         ``output_budget``: the tokens the gate takes a request to need (default: its
-        ``max_tokens``); one that learns is fed every completion."""
+        ``max_tokens``); one that learns is fed every completion.
+        ``stream_fence_after_s``: silent this long between heartbeats, the agent stops the
+        token streams of what it runs (the coordinator may have moved it;
+        qlm/agents/token_streams.py); None: never."""
         self.amqp_url = amqp_url
         self.agent_id = agent_id or f"agent-{uuid.uuid4().hex[:8]}"
         self.incarnation = uuid.uuid4().hex  # this process (see Heartbeat.incarnation)
@@ -165,7 +169,7 @@ class Agent:
         self.evictions: dict[str, int] = {}
         self.admission_gate = admission_gate
         # token chunks of streamed requests, published straight to their producers
-        self.token_streams = TokenStreams(log_context=self.log)
+        self.token_streams = TokenStreams(fence_after_s=stream_fence_after_s, log_context=self.log)
 
     async def start(self) -> None:
         self._conn = await connect(self.amqp_url, name=f"qlm-{self.agent_id}")
@@ -562,6 +566,7 @@ class Agent:
             incarnation=self.incarnation,
         )
         await self._publish(hb.model_dump_json(), live=True)
+        self.token_streams.heartbeat_sent()
 
 
 @dataclass(frozen=True)

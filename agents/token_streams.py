@@ -24,13 +24,24 @@ producer would hold a whole answer that no durable result backs, and the request
 (from scratch, since resuming after an answer's end would generate past it), could answer
 otherwise (sampling). Held back, the producer has a prefix, and the next attempt continues
 after it. It costs the last tokens one confirm round trip; the stream's consumer ends it at
-the result, which comes later still.
+the result, which mostly comes later still (where it overtakes them, the consumer drops them
+as late: the result carries their tokens).
+
+An agent that was silent past the coordinator's heartbeat timeout (hung, stopped, cut off)
+has been declared lost, and its requests moved: each resumed elsewhere after the tokens its
+producer had. Its engine goes on when it wakes, and chunks of those old attempts would then
+contradict the new ones. So the streams fence themselves (``fence_after_s``): when the gap
+between two heartbeats the agent got out, or since the last one, passes it, every stream
+open at that moment is dropped unsent (its results still reach the coordinator, which takes
+a late result only where it agrees with what was streamed). Streams of later dispatches flow
+again.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -95,10 +106,15 @@ class TokenStreams:
         *,
         flush_interval_s: float = FLUSH_INTERVAL_S,
         max_chunk_tokens: int = MAX_CHUNK_TOKENS,
+        fence_after_s: float | None = None,
         log_context: structlog.typing.FilteringBoundLogger | None = None,
     ) -> None:
         self.flush_interval_s = flush_interval_s
         self.max_chunk_tokens = max_chunk_tokens
+        # silent this long, the agent may have been declared lost (module docstring); None:
+        # never fenced
+        self.fence_after_s = fence_after_s
+        self._alive_at = time.monotonic()  # when the agent's last heartbeat went out
         self._streams: dict[str, _Stream] = {}
         # chunks cut and waiting for the publisher, in order; a stream's first chunk waits
         # apart and goes ahead of the others' (it is its client's TTFT, and, being its
@@ -116,6 +132,7 @@ class TokenStreams:
         self.published = 0  # chunks, one per route
         self.messages = 0  # AMQP messages they went out in
         self.publish_failures = 0  # chunks dropped
+        self.fenced = 0  # streams dropped by a fence
 
     async def start(self, conn: AbstractRobustConnection) -> None:
         self._conn = conn
@@ -154,6 +171,31 @@ class TokenStreams:
             self._cut(request_id, stream)
             self._urgent.set()
             self._dirty.set()
+
+    def heartbeat_sent(self, now: float | None = None) -> None:
+        """The agent's heartbeat went out: after a gap past the fence, first drop the streams
+        of the attempts the coordinator may have moved (module docstring)."""
+        now = time.monotonic() if now is None else now
+        self._fence_if_lapsed(now)
+        self._alive_at = now
+
+    def _fence_if_lapsed(self, now: float) -> None:
+        if self.fence_after_s is None or now - self._alive_at <= self.fence_after_s:
+            return
+        dropped = list(self._streams)
+        if dropped:
+            self.fenced += len(dropped)
+            self.log.warning(
+                "token_streams_fenced",
+                silent_s=round(now - self._alive_at, 3),
+                streams=len(dropped),
+                request_ids=sorted(dropped)[:10],
+            )
+        self._streams.clear()
+        self._outbox.clear()
+        self._first.clear()
+        self._held.clear()
+        self._alive_at = now  # fenced once per gap: later dispatches stream again
 
     def release(self, request_id: str, *, final: bool) -> None:
         """The request's report is confirmed: its held last chunk goes out, as its stream's
@@ -222,6 +264,7 @@ class TokenStreams:
                     await asyncio.wait_for(self._urgent.wait(), self.flush_interval_s)
             self._dirty.clear()
             self._urgent.clear()
+            self._fence_if_lapsed(time.monotonic())
             for rid, stream in self._streams.items():
                 if stream.token_ids:
                     self._cut(rid, stream)

@@ -577,6 +577,11 @@ async def _run_agent(
         gpu_type=gpu_type,
         gpu_memory_gb=memory_gb,
         heartbeat_interval_s=s.heartbeat_interval_s,
+        # silent one heartbeat short of the coordinator's timeout, its streams stop: a
+        # fence that never trails the coordinator's verdict (token_streams.py)
+        stream_fence_after_s=max(
+            s.heartbeat_timeout_s - s.heartbeat_interval_s, s.heartbeat_interval_s
+        ),
         admission_gate=gate,
         cpu_memory_gb=cpu_memory_gb,
         output_budget=budget,

@@ -312,6 +312,14 @@ class CoordinatorMetrics:
             "Streamed requests whose lost attempt was resumed after the tokens their producer had",
             registry=r,
         )
+        self._late_results_refused = Counter(
+            f"{namespace}_late_results_refused",
+            "Results of a replaced attempt ignored because they contradict their request's "
+            "stream (the attempt that replaced it answers)",
+            registry=r,
+        )
+        # the coordinator core's own counts, as these counters last had them
+        self._core_counts_seen: dict[str, int] = {}
         self._duplicates = Counter(
             f"{namespace}_duplicate_requests",
             "Copies of a request id published while it was tracked: acked at once, not run",
@@ -500,9 +508,16 @@ class CoordinatorMetrics:
     def observe_stream_tap(self, outcome: str) -> None:
         self._stream_tap_children[outcome].inc()
 
-    def observe_stream_resumes(self, n: int) -> None:
-        if n > 0:
-            self._stream_resumes.inc(n)
+    def sync_core_counts(self, *, stream_resumes: int, late_results_refused: int) -> None:
+        """Bring the counters the coordinator core keeps as plain totals up to them."""
+        for name, total, counter in (
+            ("stream_resumes", stream_resumes, self._stream_resumes),
+            ("late_results_refused", late_results_refused, self._late_results_refused),
+        ):
+            new = total - self._core_counts_seen.get(name, 0)
+            if new > 0:
+                counter.inc(new)
+                self._core_counts_seen[name] = total
 
     def observe_requeue(self, reason: str) -> None:
         child = self._requeue_children.get(reason)

@@ -7,8 +7,9 @@ import asyncio
 import itertools
 import time
 from collections.abc import Callable
+from typing import Any
 
-from qlm.control import Heartbeat, InstanceInfo, InstanceStatus
+from qlm.control import Completion, Heartbeat, InstanceInfo, InstanceStatus
 from qlm.policy import PlanInstance, PlanRequest
 from qlm.types import SLO, RequestMessage
 
@@ -90,3 +91,22 @@ async def wait_until(predicate: Callable[[], object], timeout: float = 20.0) -> 
         if time.monotonic() > deadline:
             raise TimeoutError("condition not reached")
         await asyncio.sleep(0.02)
+
+
+def make_completion(**overrides: Any) -> Completion:
+    """An agent's Completion report; fields not given are placeholders."""
+    fields: dict[str, Any] = {
+        "agent_id": "a",
+        "instance_id": "a-gpu0",
+        "dispatch_id": "d1",
+        "request_id": "r1",
+        "output_token_ids": [1, 2],
+        "output_text": "",
+        "finish_reason": "stop",
+        "prompt_tokens": 8,
+        "started_at": 0.0,
+        "first_token_at": 0.1,
+        "finished_at": 0.2,
+    }
+    fields.update(overrides)
+    return Completion(**fields)

@@ -365,6 +365,8 @@ class CoordinatorCore:
         self.answered_limit = 200_000
         # streamed requests resumed after the tokens their producer had (_resume_from_stream)
         self.stream_resumes = 0
+        # late results ignored because they contradict their request's stream
+        self.late_results_refused = 0
         # cancels that came before their request, with the tenant that sent them (bounded,
         # like `answered`); honoured only for a request of that tenant
         self.cancelled_early: OrderedDict[str, str] = OrderedDict()
@@ -944,10 +946,38 @@ class CoordinatorCore:
         return tracked
 
     def accept_completion(self, c: Completion) -> TrackedRequest | None:
+        tracked = self.requests.get(c.request_id)
+        if tracked is not None and self._contradicts_stream(tracked, c):
+            return None
         tracked = self.accept_result(c.request_id, c.dispatch_id)
         if tracked is not None:
             tracked.instance_id = c.instance_id
         return tracked
+
+    def _contradicts_stream(self, tracked: TrackedRequest, c: Completion) -> bool:
+        """A late result (an older attempt: its agent was declared lost, and woke) of a
+        streamed request whose producer already got other tokens, from the attempt that
+        replaced it: taking it would make the reply contradict the stream, so it is ignored
+        and the current attempt answers. A current attempt's result is always taken (there is
+        no other to wait for)."""
+        streamed = tracked.streamed
+        if (
+            streamed is None
+            or c.dispatch_id == tracked.dispatch_id
+            or tracked.state in (TrackState.ANSWERING, TrackState.DONE)
+        ):
+            return False
+        have = streamed.token_ids
+        if c.output_token_ids[: len(have)] == have:
+            return False
+        self.late_results_refused += 1
+        log.warning(
+            "late_result_contradicts_stream",
+            request_id=tracked.request_id,
+            dispatch_id=c.dispatch_id,
+            streamed=len(have),
+        )
+        return True
 
     def judge_completion(
         self, tracked: TrackedRequest, c: Completion

@@ -201,7 +201,6 @@ class Coordinator:
         self._tap_waiters: dict[str, asyncio.Future[None]] = {}
         self.tap_messages = 0
         self.tap_rejected = 0  # tap messages that were not token messages
-        self._stream_resumes_seen = 0  # the core's count, as the metric has it
         # Active from its first delivery, not from start(): a standby starts long before it
         # takes over (single active consumer) and then knows no instance yet either.
         self._active_since: float | None = None
@@ -1580,9 +1579,10 @@ class Coordinator:
         )
 
     def _refresh_gauges(self) -> None:
-        resumes = self.core.stream_resumes
-        self.metrics.observe_stream_resumes(resumes - self._stream_resumes_seen)
-        self._stream_resumes_seen = resumes
+        self.metrics.sync_core_counts(
+            stream_resumes=self.core.stream_resumes,
+            late_results_refused=self.core.late_results_refused,
+        )
         for iid, depth in self.core.queue_depths().items():
             self.metrics.set_queue_depth(iid, depth)
         self.metrics.set_state_counts(self.core.state_counts())

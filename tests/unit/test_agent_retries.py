@@ -22,6 +22,7 @@ from qlm.agents.agent import Agent
 from qlm.agents.health import AgentMetrics
 from qlm.agents.sim import SimEngine
 from qlm.control import Completion
+from tests.builders import make_completion
 
 MODEL = "mistral-7b"
 
@@ -62,14 +63,11 @@ def _agent(publish: ScriptedPublish) -> Agent:
 
 
 def _completion(rid: str = "r1") -> Completion:
-    return Completion(
+    return make_completion(
         agent_id="rt",
         instance_id="rt-gpu0",
-        dispatch_id="d1",
         request_id=rid,
-        output_token_ids=[1, 2],
         output_text="ab",
-        finish_reason="stop",
         prompt_tokens=3,
         started_at=1.0,
         first_token_at=1.1,

@@ -309,16 +309,19 @@ def _dispatched(core: CoordinatorCore, **kw):  # type: ignore[no-untyped-def]
     return t, order
 
 
-def _evicted(order, ids: list[int]):  # type: ignore[no-untyped-def]
-    from qlm.control import Evicted
+def report_of(order, ids: list[int]) -> dict[str, object]:  # type: ignore[no-untyped-def]
+    """The fields an agent's report on ``order`` carries, with output ``ids``."""
+    return {
+        "agent_id": order.agent_id,
+        "instance_id": order.instance_id,
+        "dispatch_id": order.dispatch_id,
+        "request_id": order.tracked.request_id,
+        "output_token_ids": ids,
+    }
 
-    return Evicted(
-        agent_id=order.agent_id,
-        instance_id=order.instance_id,
-        dispatch_id=order.dispatch_id,
-        request_id=order.tracked.request_id,
-        output_token_ids=ids,
-    )
+
+def _evicted(order, ids: list[int]):  # type: ignore[no-untyped-def]
+    return Evicted(**report_of(order, ids))  # type: ignore[arg-type]
 
 
 def test_evicted_request_is_requeued_to_resume_after_its_output() -> None:

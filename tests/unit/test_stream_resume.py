@@ -4,8 +4,10 @@ run again would contradict what the producer already shows."""
 
 from __future__ import annotations
 
+from qlm.control import Completion
 from qlm.coordinator.core import CoordinatorCore, TrackState
-from tests.unit.test_coordinator_core import _dispatched, _evicted, core_with
+from tests.builders import make_completion
+from tests.unit.test_coordinator_core import _dispatched, _evicted, core_with, report_of
 
 
 def streaming_core(**kw):  # type: ignore[no-untyped-def]
@@ -102,12 +104,56 @@ def test_a_lost_request_without_a_stream_starts_again_as_before() -> None:
 
 
 def test_a_stream_whose_end_was_streamed_is_not_resumed_after_it() -> None:
-    # the engine finished it and its producer may hold the whole answer; the agent died
-    # before its result reached the coordinator: resuming after the end would generate past
-    # it, so it runs again from its last resume point
+    # the engine finished it and its producer may hold the whole answer (an agent streams an
+    # end only once its result is confirmed; the coordinator has not consumed it yet):
+    # resuming after the end would generate past it, so it waits from its last resume point
     core, t, order = streaming_core(max_tokens=10)
     core.on_streamed(t.request_id, 0, [1, 2, 3], attempt=1)
     core.on_stream_end(t.request_id)
     core.on_stream_end("nobody")  # a request it does not track: nothing
     core.lose_agent(order.agent_id, "connection_closed", now=1.0)
     assert t.resume_token_ids == [] and core.stream_resumes == 0
+
+
+def _completion(order, ids: list[int]) -> Completion:  # type: ignore[no-untyped-def]
+    return make_completion(**report_of(order, ids))
+
+
+def _lost_and_resumed(core: CoordinatorCore, t, order):  # type: ignore[no-untyped-def]
+    """The agent was declared lost after streaming [1, 2]; the request resumed elsewhere."""
+    core.on_streamed(t.request_id, 0, [1, 2], attempt=1)
+    core.lose_agent(order.agent_id, "heartbeat_timeout", now=1.0)
+    other = next(iid for iid in core.instances if iid != order.instance_id)
+    core.on_pull(other, 1)
+    [again] = core.next_dispatches(2.0)
+    return again
+
+
+def test_a_late_result_that_contradicts_the_stream_is_refused() -> None:
+    # the old agent woke and finished its attempt after the new one had streamed other tokens
+    core, t, order = streaming_core(max_tokens=10)
+    again = _lost_and_resumed(core, t, order)
+    core.on_streamed(t.request_id, 2, [7, 8], attempt=2)
+    assert core.complete(_completion(order, [1, 2, 3, 4])) is None
+    assert t.state == TrackState.DISPATCHED and core.late_results_refused == 1
+    # the attempt that replaced it answers, and its result is the stream
+    done = core.complete(_completion(again, [1, 2, 7, 8, 9]))
+    assert done is not None and done[0] is t and t.state == TrackState.ANSWERING
+
+
+def test_a_late_result_that_agrees_with_the_stream_is_taken() -> None:
+    # the new attempt streamed nothing new yet: the producer holds a prefix of the late result
+    core, t, order = streaming_core(max_tokens=10)
+    _lost_and_resumed(core, t, order)
+    done = core.complete(_completion(order, [1, 2, 3, 4]))
+    assert done is not None and t.state == TrackState.ANSWERING
+    assert core.late_results_refused == 0
+
+
+def test_the_current_attempt_s_result_is_always_taken() -> None:
+    # nothing else would answer it: a mismatch with the stream is logged by the producer's
+    # reassembler, not turned into a request that never ends
+    core, t, order = streaming_core(max_tokens=10)
+    core.on_streamed(t.request_id, 0, [1, 2], attempt=1)
+    done = core.complete(_completion(order, [5, 6]))
+    assert done is not None and core.late_results_refused == 0
