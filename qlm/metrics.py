@@ -318,6 +318,12 @@ class CoordinatorMetrics:
             "stream (the attempt that replaced it answers)",
             registry=r,
         )
+        self._stale_attempts_stopped = Counter(
+            f"{namespace}_stale_attempts_stopped",
+            "Attempts an agent declared lost still ran when it came back, stopped because "
+            "another attempt replaced them or their request was answered",
+            registry=r,
+        )
         # the coordinator core's own counts, as these counters last had them
         self._core_counts_seen: dict[str, int] = {}
         self._duplicates = Counter(
@@ -508,11 +514,14 @@ class CoordinatorMetrics:
     def observe_stream_tap(self, outcome: str) -> None:
         self._stream_tap_children[outcome].inc()
 
-    def sync_core_counts(self, *, stream_resumes: int, late_results_refused: int) -> None:
+    def sync_core_counts(
+        self, *, stream_resumes: int, late_results_refused: int, stale_attempts_stopped: int
+    ) -> None:
         """Bring the counters the coordinator core keeps as plain totals up to them."""
         for name, total, counter in (
             ("stream_resumes", stream_resumes, self._stream_resumes),
             ("late_results_refused", late_results_refused, self._late_results_refused),
+            ("stale_attempts_stopped", stale_attempts_stopped, self._stale_attempts_stopped),
         ):
             new = total - self._core_counts_seen.get(name, 0)
             if new > 0:

@@ -61,13 +61,18 @@ def make_instance(
 
 
 def heartbeat(
-    agent_id: str, n: int = 1, models: tuple[str, ...] = ("mistral-7b",), at: float = 0.0
+    agent_id: str,
+    n: int = 1,
+    models: tuple[str, ...] = ("mistral-7b",),
+    at: float = 0.0,
+    in_flight: tuple[str, ...] = (),
 ) -> Heartbeat:
     return Heartbeat(
         agent_id=agent_id,
         sent_at=at,
         instances=[
             InstanceStatus(
+                in_flight=list(in_flight),
                 info=InstanceInfo(
                     instance_id=f"{agent_id}-gpu{i}",
                     agent_id=agent_id,
@@ -77,7 +82,7 @@ def heartbeat(
                     models=list(models),
                     kv_capacity_tokens=100_000,
                     max_batch_size=256,
-                )
+                ),
             )
             for i in range(n)
         ],

@@ -134,6 +134,9 @@ class InstanceState:
     # not known, the next plan sends its cap whatever it is)
     cap_sent: int | None = None
     incarnation: str | None = None  # the agent process of the last heartbeat
+    # attempts it was running when it was declared lost (request id -> dispatch id), while
+    # its agent, back, still reports them: each is stopped once another attempt replaced it
+    orphans: dict[str, str] = field(default_factory=dict)
     # the last view and what it was built from: every arrival is placed over every instance's
     # view, so it is rebuilt only when one of these changed (a million-request simulation
     # spends most of its coordinator time here otherwise)
@@ -209,6 +212,18 @@ class EvictOrder:
     agent_id: str
     dispatch_id: str
     mode: str  # "swap" | "evict"
+
+
+@dataclass(frozen=True)
+class StaleAttempt:
+    """An attempt an instance declared lost still runs (its agent was hung, and woke) whose
+    request another attempt replaced or already answered: its result would be ignored or
+    refused, so it is stopped to free the engine."""
+
+    instance_id: str
+    agent_id: str
+    request_id: str
+    dispatch_id: str
 
 
 @dataclass(frozen=True)
@@ -367,6 +382,9 @@ class CoordinatorCore:
         self.stream_resumes = 0
         # late results ignored because they contradict their request's stream
         self.late_results_refused = 0
+        # attempts of a lost instance's woken agent whose request went on without them
+        self.stale_attempts: list[StaleAttempt] = []
+        self.stale_attempts_stopped = 0
         # cancels that came before their request, with the tenant that sent them (bounded,
         # like `answered`); honoured only for a request of that tenant
         self.cancelled_early: OrderedDict[str, str] = OrderedDict()
@@ -746,6 +764,7 @@ class CoordinatorCore:
             iid = status.info.instance_id
             inst = self.instances.get(iid)
             if inst is None or inst.status == "lost":
+                orphans = {} if inst is None else inst.orphans
                 inst = InstanceState(
                     info=status.info,
                     queue=VirtualQueue(iid, self._queued),
@@ -755,6 +774,7 @@ class CoordinatorCore:
                     # a coordinator that took over: the agent still applies the cap the last
                     # one sent, which this one must lift or change like one it sent itself
                     cap_sent=status.max_in_engine,
+                    orphans=orphans,
                 )
                 self.instances[iid] = inst
                 self._instances_changed()
@@ -775,6 +795,8 @@ class CoordinatorCore:
             inst.last_seen = now
             inst.last_status = status
             self._adopt(inst, status.in_flight)
+            if inst.orphans:
+                self._stop_replaced(inst, status.in_flight)
             if inst.status == "alive":
                 self._release_to(inst)
         if new:
@@ -828,6 +850,39 @@ class CoordinatorCore:
             tracked.attempts = 1
             inst.running[rid] = ADOPTED_DISPATCH
             log.info("request_adopted", request_id=rid, instance_id=inst.instance_id)
+
+    def _stop_replaced(self, inst: InstanceState, in_flight: list[str]) -> None:
+        """The attempts a lost instance's agent, back, still runs: those whose request was
+        answered meanwhile, and streamed ones another attempt replaced (their streams are
+        fenced, and a result contradicting the new attempt's tokens is refused), are stopped
+        (``stale_attempts``, for the service to send); those that ended are forgotten; the
+        rest are checked again at the next heartbeat. A replaced attempt without a stream
+        runs on: it started first, so its result, taken whichever comes first, is often the
+        sooner."""
+        running = set(in_flight)
+        for rid, did in list(inst.orphans.items()):
+            tracked = self.requests.get(rid)
+            if rid not in running:
+                del inst.orphans[rid]
+            elif (
+                tracked is None
+                or tracked.state in (TrackState.ANSWERING, TrackState.DONE)
+                or (
+                    tracked.request.stream
+                    and tracked.state == TrackState.DISPATCHED
+                    and tracked.dispatch_id != did
+                )
+            ):
+                del inst.orphans[rid]
+                self.stale_attempts.append(
+                    StaleAttempt(inst.instance_id, inst.info.agent_id, rid, did)
+                )
+
+    def take_stale_attempts(self) -> list[StaleAttempt]:
+        """The stale attempts found since the last call (for the service to stop)."""
+        stale, self.stale_attempts = self.stale_attempts, []
+        self.stale_attempts_stopped += len(stale)
+        return stale
 
     def _place_unassigned(self, now: float) -> None:
         waiting, self.unassigned = self.unassigned, []
@@ -1091,6 +1146,7 @@ class CoordinatorCore:
             # only the attempt that is still current: an older one was already moved on
             if tracked and tracked.state == TrackState.DISPATCHED and tracked.dispatch_id == did:
                 moved.append(tracked)
+        inst.orphans = dict(inst.running)
         inst.running.clear()
         from_stream = 0
         for tracked in moved:

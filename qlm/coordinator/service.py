@@ -60,6 +60,7 @@ from qlm.coordinator.core import (
     EvictOrder,
     LSOSettings,
     ModelStateOrder,
+    StaleAttempt,
     TrackedRequest,
 )
 from qlm.coordinator.identity import ProducerIdentity
@@ -824,6 +825,26 @@ class Coordinator:
                 e.tracked.evict_requested = None
                 log.warning("evict_failed", request_id=e.tracked.request_id, error=repr(exc))
 
+    async def _stop_stale(self, stale: StaleAttempt) -> None:
+        """Stop an attempt a woken agent still runs whose request went on without it (best
+        effort: where the order is lost, the attempt runs on and its result is ignored)."""
+        order = Evict(
+            instance_id=stale.instance_id,
+            request_id=stale.request_id,
+            dispatch_id=stale.dispatch_id,
+            reason="replaced",
+        )
+        try:
+            await self._to_agent(stale.agent_id, order.model_dump_json())
+            log.info(
+                "stale_attempt_stopped",
+                request_id=stale.request_id,
+                instance_id=stale.instance_id,
+                dispatch_id=stale.dispatch_id,
+            )
+        except Exception as exc:
+            log.warning("stale_attempt_stop_failed", request_id=stale.request_id, error=repr(exc))
+
     # ------------------------------------------------------------------ stream tap
     async def _on_stream_tap(self, message: AbstractIncomingMessage) -> None:
         """A copy of a token-stream message an agent sent a producer (or a barrier of ours):
@@ -931,6 +952,8 @@ class Coordinator:
                 self._record_instance(iid, "alive", now)
             await message.ack()
             self._pump()
+            for stale in self.core.take_stale_attempts():
+                self._spawn(self._stop_stale(stale))
         elif isinstance(ctl, Pull):
             self.core.on_pull(ctl.instance_id, ctl.credit)
             await message.ack()
@@ -1582,6 +1605,7 @@ class Coordinator:
         self.metrics.sync_core_counts(
             stream_resumes=self.core.stream_resumes,
             late_results_refused=self.core.late_results_refused,
+            stale_attempts_stopped=self.core.stale_attempts_stopped,
         )
         for iid, depth in self.core.queue_depths().items():
             self.metrics.set_queue_depth(iid, depth)

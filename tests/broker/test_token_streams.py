@@ -32,6 +32,7 @@ from qlm.streaming import decode_token_message
 from qlm.tooling.demo import LocalCluster
 from qlm.topology import STREAM_END_HEADER, declare_topology
 from qlm.types import SLO, RequestMessage, ResultMessage
+from tests.builders import wait_until
 from tests.e2e import running_cluster
 
 pytestmark = [pytest.mark.broker]
@@ -189,7 +190,8 @@ async def test_agent_hung_mid_stream_and_woken_does_not_contradict_the_streams(
     # requests resume on b (four times slower, other tokens: engine seed 1) after what was
     # streamed; then a wakes and its engine goes on with the old attempts, overtaking b.
     # Its chunks and its (late) results must not reach the producers: the streams fence
-    # themselves, and a late result that contradicts the stream is refused.
+    # themselves, and a late result that contradicts the stream is refused; the coordinator
+    # stops those old attempts once a's heartbeats report them again.
     slow_b = {"agent_id": "th-b", "models": [MODEL], "time_scale": 0.25}
     agents = [{"agent_id": "th-a", "models": [MODEL], "time_scale": 1.0}, slow_b]
     slow_b["extra_args"] = ["--seed", "1"]
@@ -204,6 +206,8 @@ async def test_agent_hung_mid_stream_and_woken_does_not_contradict_the_streams(
         runs = await asyncio.gather(*tasks)
         assert client.duplicate_count() == 0
         fenced = "token_streams_fenced" in cluster.logs("th-a")
+        # and the coordinator stopped those old attempts (their requests run on b)
+        await wait_until(lambda: "stale_attempt_stopped" in cluster.logs("coordinator"))
     moved = 0
     for timed, result in runs:
         check_exactly_once([p for _, p in timed], result)  # the stream is the answer

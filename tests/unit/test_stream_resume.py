@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from qlm.control import Completion
 from qlm.coordinator.core import CoordinatorCore, TrackState
-from tests.builders import make_completion
+from tests.builders import heartbeat, make_completion
 from tests.unit.test_coordinator_core import _dispatched, _evicted, core_with, report_of
 
 
@@ -157,3 +157,46 @@ def test_the_current_attempt_s_result_is_always_taken() -> None:
     core.on_streamed(t.request_id, 0, [1, 2], attempt=1)
     done = core.complete(_completion(order, [5, 6]))
     assert done is not None and core.late_results_refused == 0
+
+
+def test_a_woken_agent_s_replaced_streamed_attempt_is_stopped() -> None:
+    # the agent was declared lost and its streamed request runs on b; when a comes back still
+    # running the old attempt (its stream fenced, its result refused), that attempt is stopped
+    core, t, order = streaming_core(max_tokens=10)
+    again = _lost_and_resumed(core, t, order)
+    core.on_heartbeat(heartbeat(order.agent_id, in_flight=(t.request_id,)), now=3.0)
+    [stale] = core.take_stale_attempts()
+    assert (stale.instance_id, stale.request_id, stale.dispatch_id) == (
+        order.instance_id,
+        t.request_id,
+        order.dispatch_id,
+    )
+    assert again.instance_id != order.instance_id and t.dispatch_id == again.dispatch_id
+    core.on_heartbeat(heartbeat(order.agent_id, in_flight=(t.request_id,)), now=3.5)
+    assert core.take_stale_attempts() == [] and core.stale_attempts_stopped == 1  # once
+
+
+def test_a_replaced_attempt_without_a_stream_runs_on_until_its_request_is_answered() -> None:
+    core = core_with({"a": 1, "b": 1})
+    t, order = _dispatched(core, max_tokens=10)
+    core.lose_agent(order.agent_id, "heartbeat_timeout", now=1.0)
+    back = heartbeat(order.agent_id, in_flight=(t.request_id,))
+    core.on_heartbeat(back, now=2.0)  # back before it ran again: nothing to stop
+    assert core.take_stale_attempts() == []
+    core.on_pull(next(iid for iid in core.instances if iid != order.instance_id), 1)
+    [again] = core.next_dispatches(2.5)
+    core.on_heartbeat(back, now=3.0)
+    assert core.take_stale_attempts() == []  # both run: the first result answers, as before
+    assert core.complete(_completion(again, [1, 2])) is not None
+    core.on_heartbeat(back, now=3.5)  # answered: what still runs of it is waste
+    [stale] = core.take_stale_attempts()
+    assert (stale.request_id, stale.dispatch_id) == (t.request_id, order.dispatch_id)
+
+
+def test_an_attempt_the_woken_agent_no_longer_runs_is_forgotten() -> None:
+    core, t, order = streaming_core(max_tokens=10)
+    core.lose_agent(order.agent_id, "heartbeat_timeout", now=1.0)
+    assert core.instances[order.instance_id].orphans == {t.request_id: order.dispatch_id}
+    core.on_heartbeat(heartbeat(order.agent_id), now=2.0)
+    assert not core.instances[order.instance_id].orphans
+    assert core.take_stale_attempts() == []
