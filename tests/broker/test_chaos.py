@@ -155,11 +155,12 @@ async def test_quick_scenario_loses_nothing_and_answers_once(
 
 @pytest.mark.broker
 @pytest.mark.slow
-async def test_agent_killed_under_token_streams_every_stream_is_exact(
-    tmp_path: Path, amqp_url: str
+@pytest.mark.parametrize("scenario", ["agent-kill-streams", "agent-hang-streams"])
+async def test_agent_killed_or_hung_under_token_streams_every_stream_is_exact(
+    tmp_path: Path, amqp_url: str, scenario: str
 ) -> None:
     settings = ChaosSettings(workdir=tmp_path, stream_requests=200, max_tokens=300)
-    [result] = await run_chaos(select(["agent-kill-streams"]), settings, amqp_url)
+    [result] = await run_chaos(select([scenario]), settings, amqp_url)
     assert result.error is None, result.error
     assert result.sent == 200
     assert result.in_flight_at_fault >= 150, result

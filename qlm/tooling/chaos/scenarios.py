@@ -356,25 +356,18 @@ async def _agent_fault(
         return _result(name, load, in_flight, recovery, target, started, notes, fault_at)
 
 
-async def agent_kill(s: ChaosSettings, amqp_url: str | None) -> ScenarioResult:
-    assert amqp_url is not None
-
-    async def inject(fleet: LocalCluster, victim: str) -> list[str]:
-        fleet.kill_agent(victim, signal.SIGKILL)
-        return []
-
-    return await _agent_fault("agent-kill", s, amqp_url, inject)
-
-
-async def agent_kill_streams(s: ChaosSettings, amqp_url: str | None) -> ScenarioResult:
-    """An agent SIGKILLed under many concurrent token streams (stream: true): besides one reply
+async def _streams_fault(
+    name: str,
+    s: ChaosSettings,
+    amqp_url: str,
+    inject: Callable[[LocalCluster, str], Awaitable[list[str]]],
+) -> ScenarioResult:
+    """An agent fault under many concurrent token streams (stream: true): besides one reply
     each, every stream must hand over each output token exactly once - none repeated after
     the request moved to the other agent (which resumes after the tokens already streamed),
     none missing - and equal its reply. The two engines draw different tokens for the same
     request (engine seeds 0 and 1), as sampling does on two GPUs: a moved request run again
     from scratch would contradict what its stream already delivered."""
-    assert amqp_url is not None
-    name = "agent-kill-streams"
     started = time.monotonic()
     agents = _agents(2, 1, s.time_scale)
     for i, agent in enumerate(agents):
@@ -392,9 +385,10 @@ async def agent_kill_streams(s: ChaosSettings, amqp_url: str | None) -> Scenario
         await load.publish()
         in_flight = await _fault_point(load, min_answered=5)
         fault_at = time.time()
-        fleet.kill_agent("chaos-0", signal.SIGKILL)
+        notes = await inject(fleet, "chaos-0")
         recovery = await _wait_agent_lost(fleet, "chaos-0", timeout=60, since=fault_at)
-        notes = [] if recovery is not None else ["the agent was never declared lost in 60 s"]
+        if recovery is None:
+            notes.append("the agent was never declared lost in 60 s")
         await load.wait_all(s.reply_timeout_s)
         notes += await _stall_notes(load, fleet.admin_url, fleet.token)
         broken, repeated, missing = load.broken_streams()
@@ -407,26 +401,53 @@ async def agent_kill_streams(s: ChaosSettings, amqp_url: str | None) -> Scenario
         return result
 
 
+async def _kill(fleet: LocalCluster, victim: str) -> list[str]:
+    fleet.kill_agent(victim, signal.SIGKILL)
+    return []
+
+
+async def _hang(fleet: LocalCluster, victim: str) -> list[str]:
+    """SIGSTOP now, SIGCONT 3 s after the agent was declared lost."""
+    fleet.kill_agent(victim, signal.SIGSTOP)
+
+    async def resume_later() -> None:
+        await _wait_agent_lost(fleet, victim, timeout=60)
+        await asyncio.sleep(3.0)  # the reassigned work is running elsewhere by now
+        fleet.kill_agent(victim, signal.SIGCONT)
+
+    task = asyncio.create_task(resume_later())
+    _background.add(task)
+    task.add_done_callback(_background.discard)
+    return ["SIGCONT 3 s after the agent was declared lost"]
+
+
+async def agent_kill(s: ChaosSettings, amqp_url: str | None) -> ScenarioResult:
+    assert amqp_url is not None
+    return await _agent_fault("agent-kill", s, amqp_url, _kill)
+
+
+async def agent_kill_streams(s: ChaosSettings, amqp_url: str | None) -> ScenarioResult:
+    """An agent SIGKILLed under concurrent token streams (:func:`_streams_fault`)."""
+    assert amqp_url is not None
+    return await _streams_fault("agent-kill-streams", s, amqp_url, _kill)
+
+
+async def agent_hang_streams(s: ChaosSettings, amqp_url: str | None) -> ScenarioResult:
+    """An agent SIGSTOPped under concurrent token streams, continued once its requests run on
+    the other agent (:func:`_streams_fault`): when it wakes, its engine goes on with the old
+    attempts, whose chunks and results must not reach the producers (its streams fence
+    themselves; the coordinator refuses a result that contradicts a stream and stops the old
+    attempts)."""
+    assert amqp_url is not None
+    return await _streams_fault("agent-hang-streams", s, amqp_url, _hang)
+
+
 async def agent_hang(s: ChaosSettings, amqp_url: str | None) -> ScenarioResult:
     """SIGSTOP: the agent's process and its connection stay, but nothing moves (no heartbeat,
     no results) until the heartbeat timeout declares it lost; then SIGCONT brings it back with
     results for work that was already reassigned, which must not reach the producer twice."""
     assert amqp_url is not None
-
-    async def inject(fleet: LocalCluster, victim: str) -> list[str]:
-        fleet.kill_agent(victim, signal.SIGSTOP)
-
-        async def resume_later() -> None:
-            await _wait_agent_lost(fleet, victim, timeout=60)
-            await asyncio.sleep(3.0)  # the reassigned work is running elsewhere by now
-            fleet.kill_agent(victim, signal.SIGCONT)
-
-        task = asyncio.create_task(resume_later())
-        _background.add(task)
-        task.add_done_callback(_background.discard)
-        return ["SIGCONT 3 s after the agent was declared lost"]
-
-    return await _agent_fault("agent-hang", s, amqp_url, inject)
+    return await _agent_fault("agent-hang", s, amqp_url, _hang)
 
 
 async def agent_slow(s: ChaosSettings, amqp_url: str | None) -> ScenarioResult:
@@ -660,6 +681,13 @@ SCENARIOS: dict[str, Scenario] = {
             True,
             False,
             "an agent SIGKILLed under concurrent token streams",
+        ),
+        Scenario(
+            "agent-hang-streams",
+            agent_hang_streams,
+            True,
+            False,
+            "an agent SIGSTOPped under concurrent token streams, later continued",
         ),
         Scenario("agent-slow", agent_slow, True, False, "an agent stopped half the time"),
         Scenario(
