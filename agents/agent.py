@@ -295,8 +295,11 @@ class Agent:
         reconnect within the heartbeat timeout hides the gap from liveness checks. So the
         agent says it itself: a goodbye (the coordinator moves this agent's queued and
         running work elsewhere, as for a lost agent), then its heartbeats register it again.
-        Results of work it was still running are accepted once, whichever arrives first."""
+        Results of work it was still running are accepted once, whichever arrives first;
+        its token streams stop at once (the work they belong to runs elsewhere now, resumed
+        after what was streamed: their chunks would contradict it)."""
         self.reconnects += 1
+        self.token_streams.fence("reconnected")
         task = asyncio.create_task(self._announce_new_session())
         self._side_tasks.add(task)
         task.add_done_callback(self._side_tasks.discard)

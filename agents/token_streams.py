@@ -34,7 +34,8 @@ contradict the new ones. So the streams fence themselves (``fence_after_s``): wh
 between two heartbeats the agent got out, or since the last one, passes it, every stream
 open at that moment is dropped unsent (its results still reach the coordinator, which takes
 a late result only where it agrees with what was streamed). Streams of later dispatches flow
-again.
+again. An agent whose connection came back fences its streams too: it tells the coordinator
+(a goodbye), which moves every attempt it was running.
 """
 
 from __future__ import annotations
@@ -180,14 +181,19 @@ class TokenStreams:
         self._alive_at = now
 
     def _fence_if_lapsed(self, now: float) -> None:
-        if self.fence_after_s is None or now - self._alive_at <= self.fence_after_s:
-            return
+        if self.fence_after_s is not None and now - self._alive_at > self.fence_after_s:
+            self.fence(f"silent {now - self._alive_at:.3f} s")
+            self._alive_at = now  # fenced once per gap: later dispatches stream again
+
+    def fence(self, reason: str) -> None:
+        """Drop every stream open now, unsent: the coordinator moved (or may have moved) the
+        attempts they belong to (module docstring). Streams of later dispatches flow."""
         dropped = list(self._streams)
         if dropped:
             self.fenced += len(dropped)
             self.log.warning(
                 "token_streams_fenced",
-                silent_s=round(now - self._alive_at, 3),
+                reason=reason,
                 streams=len(dropped),
                 request_ids=sorted(dropped)[:10],
             )
@@ -195,7 +201,6 @@ class TokenStreams:
         self._outbox.clear()
         self._first.clear()
         self._held.clear()
-        self._alive_at = now  # fenced once per gap: later dispatches stream again
 
     def release(self, request_id: str, *, final: bool) -> None:
         """The request's report is confirmed: its held last chunk goes out, as its stream's

@@ -21,8 +21,8 @@ import qlm.agents.agent as agent_module
 from qlm.agents.agent import Agent
 from qlm.agents.health import AgentMetrics
 from qlm.agents.sim import SimEngine
-from qlm.control import Completion
-from tests.builders import make_completion
+from qlm.control import Completion, Dispatch, ReplyRoute
+from tests.builders import make_completion, make_request
 
 MODEL = "mistral-7b"
 
@@ -134,6 +134,34 @@ async def test_a_reconnect_goodbye_is_retried_then_announced(
     assert len(_events(logs, "reconnect_goodbye_retry")) == 1
     assert _events(logs, "agent_reconnected")[0]["reconnects"] == 1
     assert not _events(logs, "reconnect_goodbye_failed")
+
+
+async def test_a_reconnect_stops_the_token_streams_of_the_work_it_had(
+    logs: list[dict[str, Any]],
+) -> None:
+    # the goodbye moves every attempt the agent was running, each resumed elsewhere after
+    # what was streamed: chunks of the old attempts would contradict the new ones
+    publish = ScriptedPublish()
+    agent = _agent(publish)
+    now = time.time()
+    agent.token_streams.open(
+        Dispatch(
+            dispatch_id="d1",
+            instance_id="rt-gpu0",
+            attempt=1,
+            request=make_request(request_id="s1", stream=True),
+            submitted_at=now,
+            queued_at=now,
+            dispatched_at=now,
+            reply_routes=[ReplyRoute(reply_to="gw", correlation_id="c1")],
+        )
+    )
+    assert agent.token_streams.streaming("s1")
+    agent._on_reconnected()
+    assert not agent.token_streams.streaming("s1") and agent.token_streams.fenced == 1
+    assert _events(logs, "token_streams_fenced")[0]["reason"] == "reconnected"
+    await asyncio.gather(*agent._side_tasks)
+    assert len(publish.calls) == 1  # and the goodbye went out
 
 
 async def test_a_reconnect_goodbye_is_given_up_after_its_deadline(
