@@ -26,6 +26,8 @@ answer is decoded, checked to be a valid assignment and re-evaluated with
 
 from __future__ import annotations
 
+import functools
+import itertools
 import math
 import time
 import warnings
@@ -140,6 +142,64 @@ def evaluate_queues(p: GroupProblem, queues: Sequence[Sequence[int]]) -> QueueEv
     late = np.where(np.isfinite(late), late, 0.0)
     switches = sum(count_switches(p, g, q) for g, q in enumerate(queues))
     return QueueEval(float(p.weight[met].sum()), float(late.sum()), completion, switches)
+
+
+@functools.cache
+def _orders(k: int) -> np.ndarray:
+    """Every order of ``k`` positions, (k!, k), in ``itertools.permutations`` order."""
+    orders = list(itertools.permutations(range(k)))
+    return np.array(orders, dtype=np.int64).reshape(len(orders), k)
+
+
+def head_order_scores(
+    p: GroupProblem, g: int, queue: Sequence[int], head: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Every order of ``queue``'s first ``head`` groups on instance ``g``, the rest kept as it
+    is: (the queues, one row each in ``itertools.permutations`` order of the head; the score
+    of each, :func:`evaluate_queues` of that one queue).
+
+    The scores are :func:`evaluate_queues`'s to the bit: the completions accumulate along each
+    row as :func:`queue_times` does (a column at a time, every row at once), and each row's
+    met weight and tardiness are summed over the same elements in the same order, so a
+    choice between equal scores is the one a loop over the orders would make."""
+    q = np.asarray(queue, dtype=np.int64)
+    h = min(head, len(q))
+    orders = _orders(h)
+    rows = np.concatenate((q[:h][orders], np.broadcast_to(q[h:], (len(orders), len(q) - h))), 1)
+    P, n = rows.shape
+    models = p.model[rows].astype(np.int64)
+    done = np.empty((P, n))
+    t = np.full(P, p.base[g], dtype=np.float64)
+    current = np.full(P, int(p.init_model[g]), dtype=np.int64)
+    switch_g = p.switch[g]
+    for k in range(n):
+        m = models[:, k]
+        ev = (current != -1) & (m != current)
+        t = np.where(ev, t + switch_g[m], t)
+        done[:, k] = t + p.own[rows[:, k], g]
+        t = t + p.dur[rows[:, k], g]
+        current = m
+    # evaluate_queues's sums: over the groups in index order (met: the met ones only;
+    # tardiness: every group, unplaced ones 0)
+    placed = np.sort(q)
+    completion = np.take_along_axis(done, np.argsort(rows, axis=1, kind="stable"), 1)
+    dl, w = p.deadline[placed], p.weight[placed]
+    met = completion <= dl
+    late = np.maximum(np.nan_to_num(completion) - dl, 0.0)
+    late_full = np.zeros((P, p.n_groups))
+    late_full[:, placed] = np.where(np.isfinite(late), late, 0.0)
+    init = int(p.init_model[g])
+    switches = (models[:, 1:] != models[:, :-1]).sum(axis=1)
+    if n and init != -1:
+        switches += models[:, 0] != init
+    scores = np.empty(P)
+    for r in range(P):
+        scores[r] = (
+            float(w[met[r]].sum())
+            - TARDINESS_WEIGHT * float(late_full[r].sum())
+            - SWITCH_WEIGHT * int(switches[r])
+        )
+    return rows, scores
 
 
 def greedy_assign(p: GroupProblem, *, defer_hopeless: bool = True) -> list[list[int]]:

@@ -64,6 +64,7 @@ from qlm.planner.milp import (
     budget_limits,
     evaluate_queues,
     greedy_assign,
+    head_order_scores,
     queue_times,
     solve_slots,
 )
@@ -144,7 +145,10 @@ class QLMConfig:
     # depend on
     milp_node_limit: int = 200
     max_milp_queues: int = 8
-    enumerate_up_to: int = 4  # heads this short are ordered by enumeration, not the MILP
+    # heads this short are ordered by scoring every order (6! = 720 rows at once), not by the
+    # MILP: exact over the whole queue, where the MILP orders the head alone, and a few ms
+    # where building the MILP in cvxpy took ~0.1 s
+    enumerate_up_to: int = 6
     local_search_max_groups: int = 400
     ils_max_groups: int = 60  # iterated local search (perturb + descend) up to this many groups
     solver: str = "HIGHS"
@@ -1765,14 +1769,15 @@ class QLMPolicy(QueuePolicy):
             q = queues[g]
             head = q[:H]
             if len(head) <= self.config.enumerate_up_to:
-                # a handful of groups: enumerating every order is exact and cheaper than a MILP
-                best = max(
-                    (list(o) + q[H:] for o in itertools.permutations(head)),
-                    key=lambda c: (_score(p, g, c), c == q),
-                )
+                # a few groups: scoring every order of the head (the tail after it) at once
+                # is exact and far cheaper than building and solving a MILP. Row 0 is the
+                # queue as it is, so argmax keeps it among equal scores, else takes the
+                # first order (itertools.permutations's)
+                rows, scores = head_order_scores(p, g, q, H)
+                pick = int(scores.argmax())
                 stats["enumerated"] = stats.get("enumerated", 0) + 1
-                if _score(p, g, best) > _score(p, g, q) + 1e-9:
-                    queues[g] = best
+                if scores[pick] > scores[0] + 1e-9:
+                    queues[g] = rows[pick].tolist()
                     stats["improved"] += 1
                 continue
             res = solve_slots(
