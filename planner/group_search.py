@@ -11,9 +11,11 @@ in batches: all the positions of a queue at once (:func:`_insertion_scores_rows`
 group of the other queues into one queue at once (:func:`_into_queue`), and every way to
 take a group out of a queue and put it back at once (:func:`_removal_scores`). A queue's
 batches are kept from one sweep to the next while the queue is unchanged (a move changes two
-queues). The batches compute each score with the same floating-point operations, in the same
-order, as scoring that one queue alone, so the search takes the same moves as one that scores
-each candidate queue in turn (tests/unit/test_planner.py checks this to the bit).
+queues), and the descents of one iterated local search share them (:class:`_Seen`): they keep
+coming back to the queues of the best plan. The batches compute each score with the same
+floating-point operations, in the same order, as scoring that one queue alone, so the search
+takes the same moves as one that scores each candidate queue in turn
+(tests/unit/test_planner.py checks this to the bit).
 """
 
 from __future__ import annotations
@@ -276,6 +278,43 @@ def _removal_scores(p: GroupProblem, g: int, queue: Sequence[int]) -> _Removals:
     return _Removals(_rest_scores(p, g, rests), back)
 
 
+class _Seen:
+    """Scores of queues already seen by the descents of one iterated local search, keyed by
+    (instance, the queue's groups in order). The descents keep coming back to the same
+    queues (the best plan's, most rounds): its batches are computed once. A queue's
+    batches depend on nothing but the queue (``_into_queue``'s candidates are every group
+    of the other queues, i.e. every placed group not in it), so a stored one is what
+    computing it again would give, to the bit, and the search takes the same moves."""
+
+    def __init__(self) -> None:
+        self.score: dict[tuple[int, tuple[int, ...]], float] = {}
+        self.removals: dict[tuple[int, tuple[int, ...]], _Removals] = {}
+        self.into: dict[tuple[int, tuple[int, ...]], tuple[dict[int, int], np.ndarray]] = {}
+
+    def queue_score(self, p: GroupProblem, g: int, q: list[int]) -> float:
+        key = (g, tuple(q))
+        got = self.score.get(key)
+        if got is None:
+            got = self.score[key] = _queue_score(p, g, q)
+        return got
+
+    def removal_scores(self, p: GroupProblem, g: int, q: list[int]) -> _Removals:
+        key = (g, tuple(q))
+        got = self.removals.get(key)
+        if got is None:
+            got = self.removals[key] = _removal_scores(p, g, q)
+        return got
+
+    def into_queue(
+        self, p: GroupProblem, g: int, queues: list[list[int]]
+    ) -> tuple[dict[int, int], np.ndarray]:
+        key = (g, tuple(queues[g]))
+        got = self.into.get(key)
+        if got is None:
+            got = self.into[key] = _into_queue(p, g, queues)
+        return got
+
+
 def local_search(
     p: GroupProblem,
     queues: list[list[int]],
@@ -283,6 +322,7 @@ def local_search(
     deadline_s: float,
     max_groups: int = 400,
     clock: Callable[[], float] = time.perf_counter,
+    seen: _Seen | None = None,
 ) -> list[list[int]]:
     """Best-improvement relocation: move one group to any position of any eligible queue while
     that raises the score; stops at a local optimum or at ``deadline_s`` (read on ``clock``).
@@ -293,8 +333,9 @@ def local_search(
     queue (module docstring), which changes what a reading costs, not what the search does."""
     if p.n_groups > max_groups:
         return queues
+    seen = _Seen() if seen is None else seen
     queues = [list(q) for q in queues]
-    scores = [_queue_score(p, g, q) for g, q in enumerate(queues)]
+    scores = [seen.queue_score(p, g, q) for g, q in enumerate(queues)]
     # per queue, kept while it is unchanged: its groups taken out and put back, and the
     # groups of the other queues put in (the set of those does not change while it does not)
     removals: dict[int, _Removals] = {}
@@ -310,7 +351,7 @@ def local_search(
                 continue
             out = removals.get(src)
             if out is None:
-                out = removals[src] = _removal_scores(p, src, q)
+                out = removals[src] = seen.removal_scores(p, src, q)
             for pos, i in enumerate(q):
                 for dst in destinations[i]:
                     if clock() > deadline_s:
@@ -324,7 +365,7 @@ def local_search(
                         old, kept = scores[src] + scores[dst], float(out.rest[pos])
                         there = into.get(dst)
                         if there is None:
-                            there = into[dst] = _into_queue(p, dst, queues)
+                            there = into[dst] = seen.into_queue(p, dst, queues)
                         row, table = there
                         gains = table[row[i]] + kept - old
                     ins = int(gains.argmax())
@@ -340,7 +381,7 @@ def local_search(
             i = queues[src].pop(pos)
             queues[dst].insert(ins, i)
             for g in (src, dst):
-                scores[g] = _queue_score(p, g, queues[g])
+                scores[g] = seen.queue_score(p, g, queues[g])
                 removals.pop(g, None)
                 into.pop(g, None)
             improved = True
@@ -363,7 +404,8 @@ def iterated_local_search(
     that one descent stops in (needed to stay within 2 % of the exact MILP on ≤ 20 groups).
     Stops after ``rounds``, at ``deadline_s``, or after ``stall_rounds`` rounds in a row that
     found nothing better."""
-    best = local_search(p, queues, deadline_s=deadline_s, clock=clock)
+    seen = _Seen()
+    best = local_search(p, queues, deadline_s=deadline_s, clock=clock, seen=seen)
     if p.n_groups > max_groups or p.n_groups < 2:
         return best
     best_score = evaluate_queues(p, best).score
@@ -380,7 +422,7 @@ def iterated_local_search(
             dsts = np.flatnonzero(p.eligible[i])
             d = int(dsts[int(rng.integers(len(dsts)))])
             cand[d].insert(int(rng.integers(len(cand[d]) + 1)), i)
-        cand = local_search(p, cand, deadline_s=deadline_s, clock=clock)
+        cand = local_search(p, cand, deadline_s=deadline_s, clock=clock, seen=seen)
         score = evaluate_queues(p, cand).score
         if score > best_score + 1e-9:
             best, best_score = cand, score

@@ -103,3 +103,29 @@ def test_bad_config_rejected() -> None:
         GroupingConfig(delta=float("nan"))
     with pytest.raises(ValueError):
         GroupingConfig(max_clusters_per_model=0)
+
+
+def test_one_openmp_thread_per_fit_groups_as_every_core_does() -> None:
+    """k-means fits run on one OpenMP thread by default (``kmeans_threads``): the same groups
+    as scikit-learn's default of every core, over one chunk of points and several."""
+    rng = np.random.default_rng(3)
+    for n in (40, 300, 2000):
+        reqs = reqs_from(
+            [
+                ("a", int(p), int(o), float(d))
+                for p, o, d in zip(
+                    rng.integers(1, 4000, n),
+                    rng.integers(1, 2000, n),
+                    rng.uniform(1, 900, n),
+                    strict=True,
+                )
+            ]
+        )
+        one, every = group(reqs, batch=4.0), group(reqs, batch=4.0, kmeans_threads=None)
+        np.testing.assert_array_equal(one.labels, every.labels)
+        assert len(one.groups) > 1
+
+
+def test_kmeans_threads_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="kmeans_threads"):
+        GroupingConfig(kmeans_threads=0)

@@ -13,6 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import qlm.planner.group_search as group_search_module
 from qlm.planner import create_policy
 from qlm.planner.baselines import EDFPolicy
 from qlm.planner.evaluate import predicted_attainment
@@ -514,6 +515,37 @@ def test_the_batched_local_search_takes_the_moves_of_one_candidate_at_a_time(
         ours = local_search(p, start, deadline_s=budget, clock=ours_clock)
         assert ours == one_candidate_at_a_time(p, start, budget, ref_clock), seed
         assert ours_clock.now == ref_clock.now, seed
+
+
+class _Forgetful(group_search_module._Seen):
+    """Keeps nothing: every batch computed again, as before the descents shared them."""
+
+    def queue_score(self, p, g, q):  # type: ignore[no-untyped-def]
+        return group_search_module._queue_score(p, g, q)
+
+    def removal_scores(self, p, g, q):  # type: ignore[no-untyped-def]
+        return group_search_module._removal_scores(p, g, q)
+
+    def into_queue(self, p, g, queues):  # type: ignore[no-untyped-def]
+        return group_search_module._into_queue(p, g, queues)
+
+
+@pytest.mark.parametrize("budget", [math.inf, 0.02])
+def test_descents_sharing_what_they_scored_take_the_same_moves(
+    monkeypatch: pytest.MonkeyPatch, budget: float
+) -> None:
+    """The iterated local search's descents keep the batches of every queue they scored:
+    the same plan and the same clock readings as computing each again."""
+    for seed in range(25):
+        p = mixed_problem(seed)
+        start = greedy_assign(p)
+        kept_clock, fresh_clock = WorkClock(), WorkClock()
+        kept = iterated_local_search(p, start, deadline_s=budget, clock=kept_clock, seed=seed)
+        with monkeypatch.context() as m:
+            m.setattr(group_search_module, "_Seen", _Forgetful)
+            fresh = iterated_local_search(p, start, deadline_s=budget, clock=fresh_clock, seed=seed)
+        assert kept == fresh, seed
+        assert kept_clock.now == fresh_clock.now, seed
 
 
 def test_a_backlog_larger_than_the_memory_bound_is_not_taken_for_running_work(
