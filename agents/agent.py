@@ -51,6 +51,7 @@ from qlm.control import (
     InstanceStatus,
     ModelPlan,
     Pull,
+    StreamResync,
     to_agent_adapter,
 )
 from qlm.topology import (
@@ -352,6 +353,9 @@ class Agent:
                 inst.admission.cap = order.max_in_engine
                 self.log.info("batch_cap", instance_id=order.instance_id, cap=order.max_in_engine)
                 self._wake.set()
+            elif isinstance(order, StreamResync):
+                # a coordinator took over: tell its stream tap what these producers have
+                await self.token_streams.resync(order.request_ids)
 
     def _start_dispatch(self, inst: HostedInstance, d: Dispatch) -> None:
         req = d.request

@@ -97,6 +97,10 @@ class _Stream:
     text: list[str] = field(default_factory=list)
     sent_any: bool = False
     final: bool = False  # the engine finished it: the buffered tokens are its last
+    # the output its producer has been sent, from offset 0: the dispatch's resume tokens
+    # (earlier attempts streamed them), then this attempt's chunks as their publishes
+    # succeed, while they follow on (a dropped chunk leaves a gap: the prefix stops there)
+    published: list[int] = field(default_factory=list)
 
 
 class TokenStreams:
@@ -161,7 +165,11 @@ class TokenStreams:
         if not dispatch.request.stream or not dispatch.reply_routes:
             self._streams.pop(rid, None)
             return
-        self._streams[rid] = _Stream(routes=list(dispatch.reply_routes), attempt=dispatch.attempt)
+        self._streams[rid] = _Stream(
+            routes=list(dispatch.reply_routes),
+            attempt=dispatch.attempt,
+            published=list(dispatch.resume_token_ids),
+        )
 
     def close(self, request_id: str) -> None:
         """The request finished or left this agent: what is buffered still goes out (it
@@ -234,6 +242,63 @@ class TokenStreams:
 
     def streaming(self, request_id: str) -> bool:
         return request_id in self._streams
+
+    async def resync(self, request_ids: list[str]) -> int:
+        """A coordinator that took over asks what these requests' producers have: each open
+        stream's published prefix goes to its stream tap alone, one message per request, as
+        a chunk at offset 0 (its reassembler takes what it lacks of it). Returns the
+        messages sent. Best effort, like every chunk: the coordinator then resumes a request
+        lost with this agent after what its producer has, not from its last resume point."""
+        sent = 0
+        for rid in dict.fromkeys(request_ids):
+            stream = self._streams.get(rid)
+            if stream is None or not stream.published:
+                continue
+            body, correlation_id = encode_token_message(
+                [
+                    BatchedChunk(
+                        correlation_id=None,
+                        request_id=rid,
+                        offset=0,
+                        token_ids=list(stream.published),
+                        text="",
+                        attempt=stream.attempt,
+                    )
+                ]
+            )
+            try:
+                channel = await self._ensure_channel()
+                await channel.default_exchange.publish(
+                    aio_pika.Message(
+                        body,
+                        content_type=CONTENT_TYPE,
+                        correlation_id=correlation_id,
+                        type=TOKENS_TYPE,
+                        delivery_mode=aio_pika.DeliveryMode.NOT_PERSISTENT,
+                        expiration=CHUNK_TTL_MS / 1000,
+                    ),
+                    routing_key=STREAM_TAP_QUEUE,
+                    mandatory=False,
+                )
+                sent += 1
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                self.log.warning("stream_resync_failed", request_id=rid, error=repr(exc))
+        self.log.info("streams_resynced", requested=len(request_ids), sent=sent)
+        return sent
+
+    def _published(self, group: list[tuple[str | None, _Cut]]) -> None:
+        """These cuts reached the broker: their tokens extend their streams' published
+        prefix where they follow on (a cut goes once per route; the first counts)."""
+        for _, cut in group:
+            stream = self._streams.get(cut.request_id)
+            if (
+                stream is not None
+                and stream.attempt == cut.attempt
+                and cut.offset == len(stream.published)
+            ):
+                stream.published.extend(cut.token_ids)
 
     # ---- publishing
 
@@ -320,6 +385,7 @@ class TokenStreams:
             )
             self.published += len(group)
             self.messages += 1
+            self._published(group)
         except asyncio.CancelledError:
             raise
         except Exception as exc:

@@ -146,7 +146,19 @@ class BatchCap(_Msg):
     max_in_engine: int | None = Field(default=None, ge=1)
 
 
-ToAgent = Annotated[Dispatch | Evict | ModelPlan | BatchCap, Field(discriminator="type")]
+class StreamResync(_Msg):
+    """After a takeover: send the coordinator's stream tap what the producers of these
+    streamed requests, running here, have received so far (the chunks the coordinator that
+    died had read are gone with it). Should this agent be lost, they then resume after it."""
+
+    type: Literal["stream_resync"] = "stream_resync"
+    instance_id: str
+    request_ids: list[str] = Field(max_length=4096)  # service.MAX_RESYNC_REQUESTS
+
+
+ToAgent = Annotated[
+    Dispatch | Evict | ModelPlan | BatchCap | StreamResync, Field(discriminator="type")
+]
 to_agent_adapter: TypeAdapter[ToAgent] = TypeAdapter(ToAgent)
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import heapq
+import math
 import time
 import uuid
 from collections import OrderedDict
@@ -227,6 +228,17 @@ class StaleAttempt:
 
 
 @dataclass(frozen=True)
+class StreamResyncOrder:
+    """After a takeover: running streamed requests this coordinator adopted, whose producers
+    already hold tokens it never saw (the tap's chunks went to the coordinator that died). The
+    agent sends their published prefixes to the tap (``StreamResync``)."""
+
+    instance_id: str
+    agent_id: str
+    request_ids: list[str]
+
+
+@dataclass(frozen=True)
 class ModelStateOrder:
     instance_id: str
     agent_id: str
@@ -384,6 +396,15 @@ class CoordinatorCore:
         self.late_results_refused = 0
         # attempts of a lost instance's woken agent whose request went on without them
         self.stale_attempts: list[StaleAttempt] = []
+        # adopted streamed requests, per instance, whose agent is to resync their streams
+        self.stream_resyncs: dict[str, StreamResyncOrder] = {}
+        # After this coordinator became active (a takeover, a restart): redeliveries are
+        # parked, not dispatched, until every agent had a heartbeat to report what its
+        # engines run (became_active). Dispatched at once, one an agent runs would run twice:
+        # harmless for its reply (the first result wins), not for its stream, which would
+        # get two engines' tokens.
+        self.park_redeliveries_until = -math.inf
+        self.parked: dict[str, None] = {}
         self.stale_attempts_stopped = 0
         # cancels that came before their request, with the tenant that sent them (bounded,
         # like `answered`); honoured only for a request of that tenant
@@ -492,7 +513,10 @@ class CoordinatorCore:
         self.tenant_counts[tenant] = self.tenant_counts.get(tenant, 0) + 1
         self.requests[rid] = tracked
         try:
-            if not self._hold(tracked, received_at):
+            if redelivered and received_at < self.park_redeliveries_until:
+                tracked.state, tracked.instance_id = TrackState.QUEUED, None
+                self.parked[rid] = None
+            elif not self._hold(tracked, received_at):
                 self._place(tracked, received_at)
         except BaseException:
             if tracked.state in (TrackState.QUEUED, TrackState.HELD):
@@ -801,9 +825,30 @@ class CoordinatorCore:
                 self._release_to(inst)
         if new:
             self._place_unassigned(now)
+        if self.parked and now >= self.park_redeliveries_until:
+            self._place_parked(now)
         if self.held_count:
             self.promote_due(now)
         return new
+
+    def became_active(self, now: float) -> None:
+        """This coordinator took over (or started): for a heartbeat timeout, by which every
+        live agent has reported what it runs, redelivered requests wait to be adopted
+        instead of being dispatched (``parked``)."""
+        self.park_redeliveries_until = now + self.heartbeat_timeout_s
+
+    def _place_parked(self, now: float) -> None:
+        """The parking is over: redeliveries no agent reported running are placed."""
+        parked, self.parked = self.parked, {}
+        for rid in parked:
+            tracked = self.requests.get(rid)
+            if (
+                tracked is not None
+                and tracked.state == TrackState.QUEUED
+                and tracked.instance_id is None
+                and not self._hold(tracked, now)
+            ):
+                self._place(tracked, now)
 
     def _reconcile_credit(self, inst: InstanceState, status: InstanceStatus) -> None:
         """Credit is a delta protocol (pulls add, dispatches use), and a broker node that dies
@@ -844,12 +889,19 @@ class CoordinatorCore:
             if tracked is None or tracked.state not in waiting or tracked.attempts:
                 continue
             self._unqueue(tracked)
+            self.parked.pop(rid, None)
             tracked.state = TrackState.DISPATCHED
             tracked.instance_id = inst.instance_id
             tracked.dispatch_id = ADOPTED_DISPATCH
             tracked.attempts = 1
             inst.running[rid] = ADOPTED_DISPATCH
             log.info("request_adopted", request_id=rid, instance_id=inst.instance_id)
+            if tracked.request.stream:
+                order = self.stream_resyncs.setdefault(
+                    inst.instance_id,
+                    StreamResyncOrder(inst.instance_id, inst.info.agent_id, []),
+                )
+                order.request_ids.append(rid)
 
     def _stop_replaced(self, inst: InstanceState, in_flight: list[str]) -> None:
         """The attempts a lost instance's agent, back, still runs: those whose request was
@@ -877,6 +929,11 @@ class CoordinatorCore:
                 self.stale_attempts.append(
                     StaleAttempt(inst.instance_id, inst.info.agent_id, rid, did)
                 )
+
+    def take_stream_resyncs(self) -> list[StreamResyncOrder]:
+        """The adopted streams to resync since the last call (for the service to send)."""
+        orders, self.stream_resyncs = list(self.stream_resyncs.values()), {}
+        return orders
 
     def take_stale_attempts(self) -> list[StaleAttempt]:
         """The stale attempts found since the last call (for the service to stop)."""
@@ -1412,7 +1469,12 @@ class CoordinatorCore:
 
     def plan_inputs(self) -> tuple[list[PlanRequest], list[PlanInstance]]:
         """What a plan is computed from: the queued requests' and live instances' views."""
-        queued = [t for t in self.requests.values() if t.state == TrackState.QUEUED]
+        parked = self.parked
+        queued = [
+            t
+            for t in self.requests.values()
+            if t.state == TrackState.QUEUED and (not parked or t.request_id not in parked)
+        ]
         return [t.plan_view for t in queued], [i.plan_view() for i in self._live()]
 
     def begin_plan(self) -> tuple[list[PlanRequest], list[PlanInstance]]:

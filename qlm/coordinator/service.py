@@ -47,6 +47,7 @@ from qlm.control import (
     ReplyRoute,
     ServedModel,
     ServedModels,
+    StreamResync,
     to_coordinator_adapter,
 )
 from qlm.coordinator import refresh
@@ -61,6 +62,7 @@ from qlm.coordinator.core import (
     LSOSettings,
     ModelStateOrder,
     StaleAttempt,
+    StreamResyncOrder,
     TrackedRequest,
 )
 from qlm.coordinator.identity import ProducerIdentity
@@ -157,6 +159,7 @@ ANSWER_PRUNE_INTERVAL_S = 600.0  # how often answers past their retention are de
 # how long a lost agent's work waits for it at most (it takes a broker round trip)
 TAP_BARRIER_TYPE = "qlm.tap-barrier"
 TAP_BARRIER_TIMEOUT_S = 1.0
+MAX_RESYNC_REQUESTS = 4096  # request ids in one StreamResync order (its schema's bound)
 
 
 class Coordinator:
@@ -417,7 +420,7 @@ class Coordinator:
         if self.received_at_first is None:
             self.received_at_first = now
         if self._active_since is None:
-            self._active_since = now
+            self._became_active(now)
         try:
             # first the envelope: a property that is not UTF-8 (decoded tolerantly, see
             # qlm.amqp) is refused before anything reads it
@@ -845,6 +848,32 @@ class Coordinator:
         except Exception as exc:
             log.warning("stale_attempt_stop_failed", request_id=stale.request_id, error=repr(exc))
 
+    def _became_active(self, now: float) -> None:
+        """The first message this coordinator handles: it is the active one now (a standby
+        that took over, or a start). Redeliveries wait for the agents' reports meanwhile
+        (CoordinatorCore.became_active)."""
+        self._active_since = now
+        self.core.became_active(now)
+
+    async def _resync_streams(self, resync: StreamResyncOrder) -> None:
+        """Ask an agent for what the producers of the streamed requests adopted from it have
+        (docs/protocol.md, "Token streams"). Best effort: where the order or its answer is
+        lost, such a request, should its agent be lost too, resumes from its last resume
+        point, as before."""
+        try:
+            for at in range(0, len(resync.request_ids), MAX_RESYNC_REQUESTS):
+                ids = resync.request_ids[at : at + MAX_RESYNC_REQUESTS]
+                order = StreamResync(instance_id=resync.instance_id, request_ids=ids)
+                await self._to_agent(resync.agent_id, order.model_dump_json())
+            log.info(
+                "stream_resync_sent",
+                agent_id=resync.agent_id,
+                instance_id=resync.instance_id,
+                requests=len(resync.request_ids),
+            )
+        except Exception as exc:
+            log.warning("stream_resync_failed", agent_id=resync.agent_id, error=repr(exc))
+
     # ------------------------------------------------------------------ stream tap
     async def _on_stream_tap(self, message: AbstractIncomingMessage) -> None:
         """A copy of a token-stream message an agent sent a producer (or a barrier of ours):
@@ -946,7 +975,7 @@ class Coordinator:
             return
         now = time.time()
         if self._active_since is None:
-            self._active_since = now
+            self._became_active(now)
         if isinstance(ctl, Heartbeat):
             for iid in self.core.on_heartbeat(ctl, now):
                 self._record_instance(iid, "alive", now)
@@ -954,6 +983,8 @@ class Coordinator:
             self._pump()
             for stale in self.core.take_stale_attempts():
                 self._spawn(self._stop_stale(stale))
+            for resync in self.core.take_stream_resyncs():
+                self._spawn(self._resync_streams(resync))
         elif isinstance(ctl, Pull):
             self.core.on_pull(ctl.instance_id, ctl.credit)
             await message.ack()

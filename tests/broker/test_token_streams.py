@@ -216,6 +216,54 @@ async def test_agent_hung_mid_stream_and_woken_does_not_contradict_the_streams(
     assert fenced, "the woken agent must have dropped the streams of its old attempts"
 
 
+async def test_a_stream_moved_after_a_coordinator_takeover_goes_on_after_its_tokens(
+    isolated_amqp_url: str, tmp_path: Path
+) -> None:
+    # The active coordinator is SIGKILLed mid-stream and the standby takes over: the tap's
+    # chunks the dead one had read are gone with it. Then agent a is SIGKILLed too, and its
+    # requests resume on b, whose engine draws other tokens (seed 1). They must resume after
+    # what their producers have, which the standby asked a for when it adopted them
+    # (StreamResync): from scratch, b's answer would contradict a's first tokens.
+    agents = [
+        {"agent_id": "tk-a", "models": [MODEL], "time_scale": 0.5},
+        {"agent_id": "tk-b", "models": [MODEL], "time_scale": 1.0, "extra_args": ["--seed", "1"]},
+    ]
+    n, max_tokens = 16, 900
+    async with (
+        running_cluster(isolated_amqp_url, tmp_path, agents) as cluster,
+        QlmClient(isolated_amqp_url) as client,
+    ):
+        cluster.start_standby()
+        await asyncio.sleep(2.0)  # the standby connects and waits behind the active consumer
+        tasks = [
+            asyncio.create_task(collect(client, streamed_request(f"tk-{i}", max_tokens), 240))
+            for i in range(n)
+        ]
+        await asyncio.sleep(1.5)
+        assert cluster.coordinator is not None and not any(t.done() for t in tasks)
+        cluster.coordinator.send_signal(signal.SIGKILL)
+        cluster.coordinator.wait(timeout=10)
+        await wait_until(lambda: "stream_resync_sent" in cluster.logs("coordinator-standby"))
+        await wait_until(lambda: "streams_resynced" in cluster.logs("tk-a"))
+        await asyncio.sleep(0.3)  # the prefixes reach the standby's tap
+        assert not all(t.done() for t in tasks)
+        cluster.kill_agent("tk-a", signal.SIGKILL)
+        runs = await asyncio.gather(*tasks)
+        await asyncio.sleep(0.5)
+        assert client.duplicate_count() == 0
+    retried = 0
+    for i, (timed, result) in enumerate(runs):
+        check_exactly_once([p for _, p in timed], result)  # the stream is the answer
+        out = result.output_token_ids
+        on_a, on_b = sim_tokens(f"tk-{i}", max_tokens), sim_tokens(f"tk-{i}", max_tokens, 1)
+        if out in (on_a, on_b):
+            continue  # it ran on one engine only
+        resumed = next(j for j in range(max_tokens) if out[j] != on_a[j])
+        assert resumed > 0 and out[resumed:] == on_b[resumed:], (i, resumed)
+        retried += 1
+    assert retried > 0, "the killed agent had streams in flight; they must have moved"
+
+
 async def stream_resumes_counted(admin_url: str) -> float:
     """The coordinator's qlm_stream_resumes_total, once its liveness tick has counted them."""
     async with httpx.AsyncClient(timeout=10) as http:
@@ -374,6 +422,48 @@ async def test_every_token_message_reaches_the_tap_and_the_end_waits_for_the_res
             assert STREAM_END_HEADER not in (m.headers or {})
         streams.release("b", final=True)  # nothing held any more: nothing sent
         await asyncio.sleep(0.1)
+        assert await gateway.get(no_ack=True, fail=False) is None
+    finally:
+        await streams.stop()
+        await conn.close()
+
+
+async def test_a_resync_sends_the_tap_what_each_producer_has_and_nothing_else(
+    isolated_amqp_url: str,
+) -> None:
+    """A coordinator that took over asks for adopted streams: each open stream's prefix as
+    its producer has it (the dispatch's resume tokens, then the chunks published, while they
+    follow on) goes to the tap alone, as one chunk at offset 0; tokens still buffered, streams
+    closed or unknown send nothing, and the producer gets no copy."""
+    conn = await qlm_amqp.connect(isolated_amqp_url, name="test-token-resync")
+    streams = TokenStreams(flush_interval_s=0.5)  # a buffered token stays buffered a while
+    try:
+        channel = await conn.channel()
+        topology = await declare_topology(channel, shards=1)
+        tap = topology.stream_tap
+        gateway = await channel.declare_queue("gw-resync", exclusive=True)
+        await streams.start(conn)
+        resumed = dispatch("a", [("gw-resync", "cid-a")]).model_copy(
+            update={"resume_token_ids": [1, 2, 3], "attempt": 2}
+        )
+        streams.open(resumed)
+        streams.open(dispatch("b", [("gw-resync", "cid-b")]))
+        streams.open(dispatch("c", [("gw-resync", "cid-c")]))
+        for rid, offset, ids in (("a", 3, [4, 5]), ("b", 0, [9]), ("a", 5, [6])):
+            streams.on_delta(TokenDelta(rid, offset, ids, "x"))
+            assert contents(await next_message(gateway))[0][1:] == (rid, offset, ids)
+            await next_message(tap)
+        streams.on_delta(TokenDelta("a", 6, [7], "z"))  # buffered, not yet published
+        streams.close("b")  # finished here: nothing to resync
+        assert await streams.resync(["a", "b", "c", "unknown", "a"]) == 1
+        m = await next_message(tap)
+        assert m.headers is None or "BCC" not in m.headers
+        assert [
+            (c.request_id, c.offset, c.token_ids, c.attempt)
+            for _, c in decode_token_message(m.body, m.correlation_id)
+        ] == [("a", 0, [1, 2, 3, 4, 5, 6], 2)]
+        await asyncio.sleep(0.1)
+        assert await tap.get(no_ack=True, fail=False) is None
         assert await gateway.get(no_ack=True, fail=False) is None
     finally:
         await streams.stop()

@@ -429,6 +429,61 @@ def test_takeover_adopts_work_the_agents_are_running() -> None:
     assert core.accept_result(running.request_id, "old-coordinators-id") is running
 
 
+def test_after_a_takeover_redeliveries_wait_for_the_agents_reports() -> None:
+    """Redelivered to a coordinator that just became active, a request an agent runs must
+    be adopted, not dispatched again (a streamed one would get two engines' tokens): for a
+    heartbeat timeout, redeliveries are parked; those no agent reported then go out."""
+    core = CoordinatorCore(create_policy("edf"), heartbeat_timeout_s=3.0)
+    core.became_active(0.0)
+    core.on_heartbeat(heartbeat("b"), now=0.1)  # b reports first and has credit
+    core.on_pull("b-gpu0", 8)
+
+    def redelivered(rid: str):  # type: ignore[no-untyped-def]
+        req = make_request(request_id=rid, stream=True)
+        tracked, outcome = core.admit(
+            req, object(), reply_to="r", correlation_id=rid, received_at=0.5, redelivered=True
+        )
+        assert outcome == "new"
+        return tracked
+
+    running_on_a, nowhere = redelivered("on-a"), redelivered("nowhere")
+    assert core.next_dispatches(0.6) == []  # parked: not dispatched to b
+    assert [r.request_id for r in core.plan_inputs()[0]] == []
+    core.on_heartbeat(heartbeat("a", in_flight=("on-a",)), now=1.0)  # a reports it running
+    assert running_on_a.state == TrackState.DISPATCHED and running_on_a.instance_id == "a-gpu0"
+    core.on_heartbeat(heartbeat("b"), now=2.0)
+    assert core.next_dispatches(2.0) == [] and nowhere.state == TrackState.QUEUED
+    core.on_heartbeat(heartbeat("b"), now=3.1)  # the timeout passed: every agent reported
+    [order] = core.next_dispatches(3.1)
+    assert order.tracked is nowhere and order.instance_id == "b-gpu0"
+    # a plain arrival (not a redelivery) is never parked
+    fresh = admit(core)
+    assert fresh.instance_id is not None
+
+
+def test_adopted_streams_are_resynced_from_their_agent_once() -> None:
+    """Streamed requests adopted after a takeover: their producers hold tokens this
+    coordinator never saw, so their agent is asked for them (one order per instance); plain
+    requests are not, and a stream is asked for once, not at every heartbeat."""
+    core = core_with({"a": 2})
+    streamed = [admit(core, stream=True) for _ in range(3)]
+    plain = admit(core)
+    hb = heartbeat("a", 2)
+    hb.instances[0].in_flight = [streamed[0].request_id, plain.request_id]
+    hb.instances[1].in_flight = [streamed[1].request_id, streamed[2].request_id]
+    core.on_heartbeat(hb, now=1.0)
+    orders = sorted(core.take_stream_resyncs(), key=lambda o: o.instance_id)
+    assert [(o.instance_id, o.agent_id, o.request_ids) for o in orders] == [
+        ("a-gpu0", "a", [streamed[0].request_id]),
+        ("a-gpu1", "a", [streamed[1].request_id, streamed[2].request_id]),
+    ]
+    core.on_heartbeat(hb, now=2.0)  # reported again: already adopted
+    assert core.take_stream_resyncs() == []
+    # what the agent sends back (a chunk at offset 0 on the tap) is what it resumes after
+    assert core.on_streamed(streamed[0].request_id, 0, [5, 6, 7], attempt=1)
+    assert streamed[0].streamed is not None and streamed[0].streamed.token_ids == [5, 6, 7]
+
+
 # ---- batch tier (SageServe's queue manager) ---------------------------------------------------
 
 
