@@ -1652,8 +1652,9 @@ def chaos(
     if list_:
         from qlm.tooling.chaos import SCENARIOS
 
+        width = max(len(name) for name in SCENARIOS)
         for sc in SCENARIOS.values():
-            typer.echo(f"{sc.name:20} {'long ' if sc.long else 'quick'}  {sc.about}")
+            typer.echo(f"{sc.name:{width}} {'long ' if sc.long else 'quick'}  {sc.about}")
         return
     try:
         chosen = select(scenario, include_long=not quick)

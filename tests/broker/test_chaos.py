@@ -155,7 +155,9 @@ async def test_quick_scenario_loses_nothing_and_answers_once(
 
 @pytest.mark.broker
 @pytest.mark.slow
-@pytest.mark.parametrize("scenario", ["agent-kill-streams", "agent-hang-streams"])
+@pytest.mark.parametrize(
+    "scenario", ["agent-kill-streams", "agent-hang-streams", "coordinator-kill-streams"]
+)
 async def test_agent_killed_or_hung_under_token_streams_every_stream_is_exact(
     tmp_path: Path, amqp_url: str, scenario: str
 ) -> None:

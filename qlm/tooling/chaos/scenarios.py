@@ -182,7 +182,13 @@ def _declared_lost_at(coordinator_log: str, instance_ids: set[str], since: float
 
 
 async def _wait_agent_lost(  # noqa: ASYNC109
-    cluster: LocalCluster, agent_id: str, timeout: float, since: float | None = None
+    cluster: LocalCluster,
+    agent_id: str,
+    timeout: float,
+    since: float | None = None,
+    *,
+    coordinator: str = "coordinator",
+    admin_url: str | None = None,
 ) -> float | None:
     """Seconds until every instance of ``agent_id`` was declared lost: from ``since`` (wall
     clock, e.g. the fault) to the coordinator's ``instance_lost`` log lines, or from the call
@@ -198,10 +204,11 @@ async def _wait_agent_lost(  # noqa: ASYNC109
     while time.monotonic() < deadline:
         api_lost = False
         with contextlib.suppress(httpx.HTTPError):
-            mine = {k: v for k, v in (await _instance_status(cluster)).items() if agent_id in k}
+            status = await _instance_status(cluster, admin_url)
+            mine = {k: v for k, v in status.items() if agent_id in k}
             ids |= set(mine)
             api_lost = bool(mine) and all(v == "lost" for v in mine.values())
-        lost_at = _declared_lost_at(cluster.logs("coordinator"), ids, start)
+        lost_at = _declared_lost_at(cluster.logs(coordinator), ids, start)
         if lost_at is not None:
             return max(0.0, lost_at - start)
         if api_lost:
@@ -356,6 +363,32 @@ async def _agent_fault(
         return _result(name, load, in_flight, recovery, target, started, notes, fault_at)
 
 
+def _stream_agents(s: ChaosSettings) -> list[dict[str, Any]]:
+    """Two agents whose engines draw different tokens for the same request (seeds 0 and 1),
+    as sampling does on two GPUs: a moved request run again from scratch would contradict
+    what its stream already delivered."""
+    agents = _agents(2, 1, s.time_scale)
+    for i, agent in enumerate(agents):
+        agent["extra_args"] = ["--seed", str(i)]
+    return agents
+
+
+def _stream_load(name: str, s: ChaosSettings, amqp_url: str) -> ChaosLoad:
+    return ChaosLoad(
+        amqp_url, f"{name}-{os.getpid()}", s.stream_requests, max_tokens=s.max_tokens, stream=True
+    )
+
+
+def _streams_checked(name: str, s: ChaosSettings, load: ChaosLoad, notes: list[str]) -> int:
+    """Every stream against its reply: how many are not exactly its tokens (noted)."""
+    broken, repeated, missing = load.broken_streams()
+    notes.append(
+        f"{s.stream_requests} streams: {broken} not exactly their result's tokens "
+        f"({repeated} tokens repeated, {missing} missing)"
+    )
+    return broken
+
+
 async def _streams_fault(
     name: str,
     s: ChaosSettings,
@@ -369,18 +402,9 @@ async def _streams_fault(
     request (engine seeds 0 and 1), as sampling does on two GPUs: a moved request run again
     from scratch would contradict what its stream already delivered."""
     started = time.monotonic()
-    agents = _agents(2, 1, s.time_scale)
-    for i, agent in enumerate(agents):
-        agent["extra_args"] = ["--seed", str(i)]
     async with (
-        _fleet(amqp_url, s.workdir / name, agents, s) as fleet,
-        ChaosLoad(
-            amqp_url,
-            f"{name}-{os.getpid()}",
-            s.stream_requests,
-            max_tokens=s.max_tokens,
-            stream=True,
-        ) as load,
+        _fleet(amqp_url, s.workdir / name, _stream_agents(s), s) as fleet,
+        _stream_load(name, s, amqp_url) as load,
     ):
         await load.publish()
         in_flight = await _fault_point(load, min_answered=5)
@@ -391,11 +415,7 @@ async def _streams_fault(
             notes.append("the agent was never declared lost in 60 s")
         await load.wait_all(s.reply_timeout_s)
         notes += await _stall_notes(load, fleet.admin_url, fleet.token)
-        broken, repeated, missing = load.broken_streams()
-        notes.append(
-            f"{s.stream_requests} streams: {broken} not exactly their result's tokens "
-            f"({repeated} tokens repeated, {missing} missing)"
-        )
+        broken = _streams_checked(name, s, load, notes)
         result = _result(name, load, in_flight, recovery, AGENT_LOSS_TARGET_S, started, notes)
         result.broken_streams = broken
         return result
@@ -537,21 +557,82 @@ async def coordinator_kill(s: ChaosSettings, amqp_url: str | None) -> ScenarioRe
         fault_at = time.time()
         fleet.coordinator.send_signal(signal.SIGKILL)
         fleet.coordinator.wait(timeout=10)
-        t0 = time.monotonic()
-        takeover = None
-        async with httpx.AsyncClient(timeout=2) as http:
-            while time.monotonic() - t0 < 60:
-                with contextlib.suppress(httpx.HTTPError, ValueError):
-                    r = await http.get(f"{standby_admin}/healthz")
-                    if r.json().get("active"):
-                        takeover = time.monotonic() - t0
-                        break
-                await asyncio.sleep(0.1)
+        takeover = await _wait_active(standby_admin)
         notes = [] if takeover is not None else ["the standby never became active within 60 s"]
         await load.wait_all(s.reply_timeout_s)
         if "request_adopted" in fleet.logs("coordinator-standby"):
             notes.append("running work adopted by the standby (not run again)")
         return _result(name, load, in_flight, takeover, TAKEOVER_TARGET_S, started, notes, fault_at)
+
+
+async def _wait_active(admin_url: str, timeout: float = 60.0) -> float | None:  # noqa: ASYNC109
+    """Seconds until the coordinator behind ``admin_url`` reports itself active."""
+    t0 = time.monotonic()
+    async with httpx.AsyncClient(timeout=2) as http:
+        while time.monotonic() - t0 < timeout:
+            with contextlib.suppress(httpx.HTTPError, ValueError):
+                r = await http.get(f"{admin_url}/healthz")
+                if r.json().get("active"):
+                    return time.monotonic() - t0
+            await asyncio.sleep(0.1)
+    return None
+
+
+async def coordinator_kill_streams(s: ChaosSettings, amqp_url: str | None) -> ScenarioResult:
+    """The active coordinator SIGKILLed under concurrent token streams, then, once the standby
+    has taken over and asked the agents what the adopted streams' producers have
+    (``StreamResync``), one of the two agents: the tap's chunks the dead coordinator had read
+    are gone with it, so the moved streams resume after what the agent told the standby."""
+    assert amqp_url is not None
+    started = time.monotonic()
+    name = "coordinator-kill-streams"
+    async with (
+        _fleet(amqp_url, s.workdir / name, _stream_agents(s), s) as fleet,
+        _stream_load(name, s, amqp_url) as load,
+    ):
+        standby_admin = fleet.start_standby()
+        await asyncio.sleep(2.0)  # it connects and waits behind the active consumer
+        await load.publish()
+        in_flight = await _fault_point(load, min_answered=5)
+        assert fleet.coordinator is not None
+        fleet.coordinator.send_signal(signal.SIGKILL)
+        fleet.coordinator.wait(timeout=10)
+        takeover = await _wait_active(standby_admin)
+        notes = (
+            [f"the standby active {takeover:.2f} s after the coordinator's kill"]
+            if takeover is not None
+            else ["the standby never became active within 60 s"]
+        )
+        deadline = time.monotonic() + 30
+        while "stream_resync_sent" not in fleet.logs("coordinator-standby"):
+            if time.monotonic() > deadline:
+                notes.append("no stream resync sent within 30 s of the takeover")
+                break
+            await asyncio.sleep(0.1)
+        await asyncio.sleep(0.5)  # the agents' answers reach the standby's tap
+        fault_at = time.time()
+        fleet.kill_agent("chaos-0", signal.SIGKILL)
+        recovery = await _wait_agent_lost(
+            fleet,
+            "chaos-0",
+            timeout=60,
+            since=fault_at,
+            coordinator="coordinator-standby",
+            admin_url=standby_admin,
+        )
+        if recovery is None:
+            notes.append("the agent was never declared lost in 60 s")
+        await load.wait_all(s.reply_timeout_s)
+        notes += await _stall_notes(load, standby_admin, fleet.token)
+        log = fleet.logs("coordinator-standby")
+        notes.append(
+            f"{log.count('request_adopted')} requests adopted by the standby, "
+            f"{log.count('stream_resync_sent')} resync orders sent"
+        )
+        broken = _streams_checked(name, s, load, notes)
+        result = _result(name, load, in_flight, recovery, AGENT_LOSS_TARGET_S, started, notes)
+        result.broken_streams = broken
+        return result
 
 
 # ---- broker faults ------------------------------------------------------------------------------
@@ -695,6 +776,13 @@ SCENARIOS: dict[str, Scenario] = {
         ),
         Scenario(
             "coordinator-kill", coordinator_kill, True, False, "the active coordinator killed"
+        ),
+        Scenario(
+            "coordinator-kill-streams",
+            coordinator_kill_streams,
+            True,
+            False,
+            "the active coordinator killed under token streams, then an agent",
         ),
         Scenario("broker-restart", broker_restart, False, True, "the broker SIGKILLed, restarted"),
         Scenario(
