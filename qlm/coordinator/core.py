@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import heapq
-import math
 import time
 import uuid
 from collections import OrderedDict
@@ -46,6 +45,9 @@ MAX_EXTRA_REPLY_TARGETS = 4
 
 # dispatch id of work adopted from a previous coordinator (its real id is unknown here)
 ADOPTED_DISPATCH = "adopted"
+# Streams of requests not tracked yet kept for their redelivery (``untracked_streams``), at
+# most: an engine's batch or two per agent of a large fleet
+MAX_UNTRACKED_STREAMS = 4096
 
 # automatic replans only while the virtual queues hold at least this many requests per live
 # instance: with (nearly) empty queues there is no order to improve, the engines take requests
@@ -398,13 +400,20 @@ class CoordinatorCore:
         self.stale_attempts: list[StaleAttempt] = []
         # adopted streamed requests, per instance, whose agent is to resync their streams
         self.stream_resyncs: dict[str, StreamResyncOrder] = {}
-        # After this coordinator became active (a takeover, a restart): redeliveries are
-        # parked, not dispatched, until every agent had a heartbeat to report what its
-        # engines run (became_active). Dispatched at once, one an agent runs would run twice:
-        # harmless for its reply (the first result wins), not for its stream, which would
-        # get two engines' tokens.
-        self.park_redeliveries_until = -math.inf
-        self.parked: dict[str, None] = {}
+        # A broker redelivery of a request this coordinator does not track (a takeover, a
+        # restart) may be running on an engine, dispatched by the coordinator before: it is
+        # parked, not dispatched, for a heartbeat timeout from its arrival, by when every live
+        # agent has reported what its engines run (and it is adopted if one runs it; request
+        # id -> parked until). Dispatched at once, it would run twice: harmless for its reply
+        # (the first result wins), not for its stream, which would get two engines' tokens.
+        # Per request, not per takeover: the broker redelivers within the consumer's
+        # prefetch, so many arrive only as earlier ones are answered.
+        self.parked: dict[str, float] = {}
+        # Stream tap chunks of requests not tracked (yet): after a takeover an agent's
+        # resync and chunks can come before the request's redelivery. Kept (bounded, oldest
+        # dropped) until it arrives: then they are its stream, and a redelivery nobody runs
+        # any more (its agent lost meanwhile) resumes after them.
+        self.untracked_streams: dict[str, Reassembler] = {}
         self.stale_attempts_stopped = 0
         # cancels that came before their request, with the tenant that sent them (bounded,
         # like `answered`); honoured only for a request of that tenant
@@ -512,10 +521,13 @@ class CoordinatorCore:
         # slot of the tenant's limit, and its redelivery is admitted afresh.
         self.tenant_counts[tenant] = self.tenant_counts.get(tenant, 0) + 1
         self.requests[rid] = tracked
+        streamed = self.untracked_streams.pop(rid, None)
+        if streamed is not None and request.stream:
+            tracked.streamed = streamed  # what its producer got before it was redelivered
         try:
-            if redelivered and received_at < self.park_redeliveries_until:
+            if redelivered:
                 tracked.state, tracked.instance_id = TrackState.QUEUED, None
-                self.parked[rid] = None
+                self.parked[rid] = received_at + self.heartbeat_timeout_s
             elif not self._hold(tracked, received_at):
                 self._place(tracked, received_at)
         except BaseException:
@@ -803,6 +815,13 @@ class CoordinatorCore:
                 self.instances[iid] = inst
                 self._instances_changed()
                 new.append(iid)
+                if status.in_flight:
+                    # it runs work this coordinator never dispatched (a takeover, a restart):
+                    # the streams among it told the tap of a coordinator that is gone, so
+                    # the agent is asked what their producers have (StreamResync)
+                    self.stream_resyncs[iid] = StreamResyncOrder(
+                        iid, hb.agent_id, list(status.in_flight)
+                    )
                 log.info("instance_registered", instance_id=iid, agent_id=hb.agent_id)
             elif inst.status == "alive":
                 if hb.incarnation is not None and inst.incarnation not in (None, hb.incarnation):
@@ -825,29 +844,40 @@ class CoordinatorCore:
                 self._release_to(inst)
         if new:
             self._place_unassigned(now)
-        if self.parked and now >= self.park_redeliveries_until:
+        if self.parked:
             self._place_parked(now)
         if self.held_count:
             self.promote_due(now)
         return new
 
-    def became_active(self, now: float) -> None:
-        """This coordinator took over (or started): for a heartbeat timeout, by which every
-        live agent has reported what it runs, redelivered requests wait to be adopted
-        instead of being dispatched (``parked``)."""
-        self.park_redeliveries_until = now + self.heartbeat_timeout_s
-
     def _place_parked(self, now: float) -> None:
-        """The parking is over: redeliveries no agent reported running are placed."""
-        parked, self.parked = self.parked, {}
-        for rid in parked:
+        """Redeliveries parked a heartbeat timeout ago that no agent reported running are
+        placed (parked in arrival order, so due in that order)."""
+        due = []
+        for rid, until in self.parked.items():
+            if until > now:
+                break
+            due.append(rid)
+        for rid in due:
+            del self.parked[rid]
             tracked = self.requests.get(rid)
             if (
-                tracked is not None
-                and tracked.state == TrackState.QUEUED
-                and tracked.instance_id is None
-                and not self._hold(tracked, now)
+                tracked is None
+                or tracked.state != TrackState.QUEUED
+                or tracked.instance_id is not None
             ):
+                continue
+            # nobody runs it: where its producer already has tokens (an agent streamed them
+            # before it was lost), it goes on after them (counted here: an attempt of the
+            # coordinator before, which this one's count of attempts does not know)
+            if self._resume_from_stream(tracked, now):
+                self.stream_resumes += 1
+                log.info(
+                    "redelivery_resumed_from_stream",
+                    request_id=rid,
+                    streamed=len(tracked.resume_token_ids),
+                )
+            if not self._hold(tracked, now):
                 self._place(tracked, now)
 
     def _reconcile_credit(self, inst: InstanceState, status: InstanceStatus) -> None:
@@ -896,12 +926,6 @@ class CoordinatorCore:
             tracked.attempts = 1
             inst.running[rid] = ADOPTED_DISPATCH
             log.info("request_adopted", request_id=rid, instance_id=inst.instance_id)
-            if tracked.request.stream:
-                order = self.stream_resyncs.setdefault(
-                    inst.instance_id,
-                    StreamResyncOrder(inst.instance_id, inst.info.agent_id, []),
-                )
-                order.request_ids.append(rid)
 
     def _stop_replaced(self, inst: InstanceState, in_flight: list[str]) -> None:
         """The attempts a lost instance's agent, back, still runs: those whose request was
@@ -1287,9 +1311,10 @@ class CoordinatorCore:
         request here (answered, never seen, or not streamed), or tokens beyond its
         ``max_tokens`` (an agent's bug, not the producer's output)."""
         tracked = self.requests.get(request_id)
+        if tracked is None:
+            return self._untracked_streamed(request_id, offset, token_ids, attempt)
         if (
-            tracked is None
-            or not tracked.request.stream
+            not tracked.request.stream
             or tracked.state in (TrackState.ANSWERING, TrackState.DONE)
             or offset + len(token_ids) > tracked.request.max_tokens
         ):
@@ -1297,6 +1322,22 @@ class CoordinatorCore:
         if tracked.streamed is None:
             tracked.streamed = Reassembler()
         tracked.streamed.add(offset, token_ids, "", attempt)
+        return True
+
+    def _untracked_streamed(
+        self, request_id: str, offset: int, token_ids: list[int], attempt: int | None
+    ) -> bool:
+        """A chunk of a request not tracked: kept for its redelivery (``untracked_streams``),
+        unless it was answered."""
+        if request_id in self.answered:
+            return False
+        streamed = self.untracked_streams.pop(request_id, None)
+        if streamed is None:
+            streamed = Reassembler()
+            while len(self.untracked_streams) >= MAX_UNTRACKED_STREAMS:
+                del self.untracked_streams[next(iter(self.untracked_streams))]
+        self.untracked_streams[request_id] = streamed  # the most recent last
+        streamed.add(offset, token_ids, "", attempt)
         return True
 
     def on_stream_end(self, request_id: str) -> None:

@@ -420,7 +420,7 @@ class Coordinator:
         if self.received_at_first is None:
             self.received_at_first = now
         if self._active_since is None:
-            self._became_active(now)
+            self._active_since = now
         try:
             # first the envelope: a property that is not UTF-8 (decoded tolerantly, see
             # qlm.amqp) is refused before anything reads it
@@ -848,13 +848,6 @@ class Coordinator:
         except Exception as exc:
             log.warning("stale_attempt_stop_failed", request_id=stale.request_id, error=repr(exc))
 
-    def _became_active(self, now: float) -> None:
-        """The first message this coordinator handles: it is the active one now (a standby
-        that took over, or a start). Redeliveries wait for the agents' reports meanwhile
-        (CoordinatorCore.became_active)."""
-        self._active_since = now
-        self.core.became_active(now)
-
     async def _resync_streams(self, resync: StreamResyncOrder) -> None:
         """Ask an agent for what the producers of the streamed requests adopted from it have
         (docs/protocol.md, "Token streams"). Best effort: where the order or its answer is
@@ -975,7 +968,7 @@ class Coordinator:
             return
         now = time.time()
         if self._active_since is None:
-            self._became_active(now)
+            self._active_since = now
         if isinstance(ctl, Heartbeat):
             for iid in self.core.on_heartbeat(ctl, now):
                 self._record_instance(iid, "alive", now)

@@ -429,59 +429,87 @@ def test_takeover_adopts_work_the_agents_are_running() -> None:
     assert core.accept_result(running.request_id, "old-coordinators-id") is running
 
 
-def test_after_a_takeover_redeliveries_wait_for_the_agents_reports() -> None:
-    """Redelivered to a coordinator that just became active, a request an agent runs must
-    be adopted, not dispatched again (a streamed one would get two engines' tokens): for a
-    heartbeat timeout, redeliveries are parked; those no agent reported then go out."""
+def test_a_redelivery_waits_for_the_agents_reports_before_it_is_dispatched() -> None:
+    """A broker redelivery of a request this coordinator does not track (a takeover) may be
+    running on an agent: adopted if one reports it, never dispatched a second time (a
+    streamed one would get two engines' tokens). It is parked for a heartbeat timeout from
+    its own arrival (the broker redelivers within the prefetch, so some arrive late), then
+    dispatched if nobody runs it."""
     core = CoordinatorCore(create_policy("edf"), heartbeat_timeout_s=3.0)
-    core.became_active(0.0)
     core.on_heartbeat(heartbeat("b"), now=0.1)  # b reports first and has credit
     core.on_pull("b-gpu0", 8)
 
-    def redelivered(rid: str):  # type: ignore[no-untyped-def]
+    def redelivered(rid: str, at: float):  # type: ignore[no-untyped-def]
         req = make_request(request_id=rid, stream=True)
         tracked, outcome = core.admit(
-            req, object(), reply_to="r", correlation_id=rid, received_at=0.5, redelivered=True
+            req, object(), reply_to="r", correlation_id=rid, received_at=at, redelivered=True
         )
         assert outcome == "new"
         return tracked
 
-    running_on_a, nowhere = redelivered("on-a"), redelivered("nowhere")
+    running_on_a, nowhere = redelivered("on-a", 0.5), redelivered("nowhere", 0.5)
     assert core.next_dispatches(0.6) == []  # parked: not dispatched to b
     assert [r.request_id for r in core.plan_inputs()[0]] == []
     core.on_heartbeat(heartbeat("a", in_flight=("on-a",)), now=1.0)  # a reports it running
     assert running_on_a.state == TrackState.DISPATCHED and running_on_a.instance_id == "a-gpu0"
+    late = redelivered("late", 3.0)  # redelivered later (prefetch): parked from its arrival
     core.on_heartbeat(heartbeat("b"), now=2.0)
     assert core.next_dispatches(2.0) == [] and nowhere.state == TrackState.QUEUED
-    core.on_heartbeat(heartbeat("b"), now=3.1)  # the timeout passed: every agent reported
-    [order] = core.next_dispatches(3.1)
-    assert order.tracked is nowhere and order.instance_id == "b-gpu0"
+    core.on_heartbeat(heartbeat("b"), now=3.6)  # nowhere's timeout passed, late's has not
+    assert [o.tracked for o in core.next_dispatches(3.6)] == [nowhere]
+    core.on_heartbeat(heartbeat("a", in_flight=("late",)), now=4.0)
+    assert late.state == TrackState.DISPATCHED and late.instance_id == "a-gpu0"
+    assert core.parked == {}
     # a plain arrival (not a redelivery) is never parked
     fresh = admit(core)
     assert fresh.instance_id is not None
 
 
-def test_adopted_streams_are_resynced_from_their_agent_once() -> None:
-    """Streamed requests adopted after a takeover: their producers hold tokens this
-    coordinator never saw, so their agent is asked for them (one order per instance); plain
-    requests are not, and a stream is asked for once, not at every heartbeat."""
-    core = core_with({"a": 2})
-    streamed = [admit(core, stream=True) for _ in range(3)]
-    plain = admit(core)
+def _redelivered(core: CoordinatorCore, rid: str, at: float, **kw):  # type: ignore[no-untyped-def]
+    req = make_request(request_id=rid, **kw)
+    tracked, outcome = core.admit(
+        req, object(), reply_to="r", correlation_id=rid, received_at=at, redelivered=True
+    )
+    assert outcome == "new"
+    return tracked
+
+
+def test_a_takeover_resyncs_the_streams_agents_run_and_keeps_them_for_redeliveries() -> None:
+    """A coordinator that took over learns from an instance's first heartbeat what it runs:
+    the agent is asked, once, what the streams among it have sent (the tap's chunks went to
+    the coordinator that died). Those prefixes can come before the redeliveries, so chunks
+    of requests not tracked are kept and become a request's stream when it is redelivered;
+    one that nobody runs any more (its agent lost meanwhile) resumes after them."""
+    core = CoordinatorCore(create_policy("edf"), heartbeat_timeout_s=3.0)
     hb = heartbeat("a", 2)
-    hb.instances[0].in_flight = [streamed[0].request_id, plain.request_id]
-    hb.instances[1].in_flight = [streamed[1].request_id, streamed[2].request_id]
-    core.on_heartbeat(hb, now=1.0)
-    orders = sorted(core.take_stream_resyncs(), key=lambda o: o.instance_id)
+    hb.instances[0].in_flight = ["s1", "p1"]
+    core.on_heartbeat(hb, now=0.0)
+    orders = core.take_stream_resyncs()
     assert [(o.instance_id, o.agent_id, o.request_ids) for o in orders] == [
-        ("a-gpu0", "a", [streamed[0].request_id]),
-        ("a-gpu1", "a", [streamed[1].request_id, streamed[2].request_id]),
-    ]
-    core.on_heartbeat(hb, now=2.0)  # reported again: already adopted
-    assert core.take_stream_resyncs() == []
-    # what the agent sends back (a chunk at offset 0 on the tap) is what it resumes after
-    assert core.on_streamed(streamed[0].request_id, 0, [5, 6, 7], attempt=1)
-    assert streamed[0].streamed is not None and streamed[0].streamed.token_ids == [5, 6, 7]
+        ("a-gpu0", "a", ["s1", "p1"])
+    ]  # a-gpu1 runs nothing: nothing to ask
+    core.on_heartbeat(hb, now=0.5)
+    assert core.take_stream_resyncs() == []  # asked once, at registration
+    # the agent's answer comes before the redelivery: kept, then the request's stream
+    assert core.on_streamed("s1", 0, [5, 6, 7], attempt=1)
+    s1 = _redelivered(core, "s1", 1.0, stream=True)
+    assert s1.streamed is not None and s1.streamed.token_ids == [5, 6, 7]
+    core.on_heartbeat(hb, now=1.2)
+    assert s1.state == TrackState.DISPATCHED  # adopted: it runs on a-gpu0
+    # s2 streamed on an agent lost before its redelivery came: nobody reports it, so once
+    # parked it goes on after what its producer has
+    assert core.on_streamed("s2", 0, [1, 2, 3, 4], attempt=1)
+    s2 = _redelivered(core, "s2", 1.5, stream=True, max_tokens=8)
+    core.on_pull("a-gpu1", 1)
+    core.on_heartbeat(hb, now=4.6)
+    assert s2.resume_token_ids == [1, 2, 3, 4] and s2.plan_view.max_tokens == 4
+    [order] = core.next_dispatches(4.6)
+    assert order.tracked is s2
+    assert core.stream_resumes == 1
+    # an answered request's late chunks are not kept
+    core.answered["done"] = 0.0
+    assert not core.on_streamed("done", 0, [1], attempt=1)
+    assert "done" not in core.untracked_streams
 
 
 # ---- batch tier (SageServe's queue manager) ---------------------------------------------------
