@@ -75,7 +75,9 @@ def test_at_least_one_token_is_left_to_generate() -> None:
 
 def test_chunks_that_cannot_be_the_producer_s_are_not_taken() -> None:
     core, t, order = streaming_core(max_tokens=4)
-    assert not core.on_streamed("nobody", 0, [1], attempt=1)
+    # a request not tracked: kept for its redelivery (a takeover), not a tracked stream
+    assert core.on_streamed("nobody", 0, [1], attempt=1)
+    assert core.untracked_streams["nobody"].token_ids == [1]
     assert not core.on_streamed(t.request_id, 2, [1, 2, 3], attempt=1)  # beyond max_tokens
     plain, plain_order = _dispatched(core, max_tokens=4)
     assert not core.on_streamed(plain.request_id, 0, [1], attempt=1)  # it does not stream
