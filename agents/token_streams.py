@@ -267,19 +267,7 @@ class TokenStreams:
                 ]
             )
             try:
-                channel = await self._ensure_channel()
-                await channel.default_exchange.publish(
-                    aio_pika.Message(
-                        body,
-                        content_type=CONTENT_TYPE,
-                        correlation_id=correlation_id,
-                        type=TOKENS_TYPE,
-                        delivery_mode=aio_pika.DeliveryMode.NOT_PERSISTENT,
-                        expiration=CHUNK_TTL_MS / 1000,
-                    ),
-                    routing_key=STREAM_TAP_QUEUE,
-                    mandatory=False,
-                )
+                await self._send(body, correlation_id, STREAM_TAP_QUEUE)
                 sent += 1
             except asyncio.CancelledError:
                 raise
@@ -369,20 +357,7 @@ class TokenStreams:
         if ended:
             headers[STREAM_END_HEADER] = ended
         try:
-            channel = await self._ensure_channel()
-            await channel.default_exchange.publish(
-                aio_pika.Message(
-                    body,
-                    content_type=CONTENT_TYPE,
-                    correlation_id=correlation_id,
-                    type=TOKENS_TYPE,
-                    delivery_mode=aio_pika.DeliveryMode.NOT_PERSISTENT,
-                    expiration=CHUNK_TTL_MS / 1000,
-                    headers=headers,
-                ),
-                routing_key=reply_to,
-                mandatory=False,  # a producer that went away loses its chunks, no more
-            )
+            await self._send(body, correlation_id, reply_to, headers)
             self.published += len(group)
             self.messages += 1
             self._published(group)
@@ -398,6 +373,30 @@ class TokenStreams:
                 chunks=len(group),
                 error=repr(exc),
             )
+
+    async def _send(
+        self,
+        body: bytes,
+        correlation_id: str | None,
+        routing_key: str,
+        headers: dict[str, Any] | None = None,
+    ) -> None:
+        """One token message: transient, expiring, not mandatory (a producer that went away
+        loses its chunks, no more)."""
+        channel = await self._ensure_channel()
+        await channel.default_exchange.publish(
+            aio_pika.Message(
+                body,
+                content_type=CONTENT_TYPE,
+                correlation_id=correlation_id,
+                type=TOKENS_TYPE,
+                delivery_mode=aio_pika.DeliveryMode.NOT_PERSISTENT,
+                expiration=CHUNK_TTL_MS / 1000,
+                headers=headers,
+            ),
+            routing_key=routing_key,
+            mandatory=False,
+        )
 
     async def _ensure_channel(self) -> AbstractChannel:
         channel = self._channel

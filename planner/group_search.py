@@ -23,6 +23,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 
@@ -47,6 +48,9 @@ ILS_STALL_ROUNDS = 20
 # (8 MB per temporary). Rows beyond it are scored in chunks; a row's scores do not depend on
 # the chunk it is in.
 MANY_CELLS = 1 << 20
+
+_K = TypeVar("_K")
+_V = TypeVar("_V")
 
 
 class WorkClock:
@@ -292,27 +296,23 @@ class _Seen:
         self.into: dict[tuple[int, tuple[int, ...]], tuple[dict[int, int], np.ndarray]] = {}
 
     def queue_score(self, p: GroupProblem, g: int, q: list[int]) -> float:
-        key = (g, tuple(q))
-        got = self.score.get(key)
-        if got is None:
-            got = self.score[key] = _queue_score(p, g, q)
-        return got
+        return _kept(self.score, (g, tuple(q)), lambda: _queue_score(p, g, q))
 
     def removal_scores(self, p: GroupProblem, g: int, q: list[int]) -> _Removals:
-        key = (g, tuple(q))
-        got = self.removals.get(key)
-        if got is None:
-            got = self.removals[key] = _removal_scores(p, g, q)
-        return got
+        return _kept(self.removals, (g, tuple(q)), lambda: _removal_scores(p, g, q))
 
     def into_queue(
         self, p: GroupProblem, g: int, queues: list[list[int]]
     ) -> tuple[dict[int, int], np.ndarray]:
-        key = (g, tuple(queues[g]))
-        got = self.into.get(key)
-        if got is None:
-            got = self.into[key] = _into_queue(p, g, queues)
-        return got
+        return _kept(self.into, (g, tuple(queues[g])), lambda: _into_queue(p, g, queues))
+
+
+def _kept(table: dict[_K, _V], key: _K, compute: Callable[[], _V]) -> _V:
+    """``table[key]``, computed and kept the first time."""
+    got = table.get(key)
+    if got is None:
+        got = table[key] = compute()
+    return got
 
 
 def local_search(
