@@ -147,9 +147,9 @@ class BatchCap(_Msg):
 
 
 class StreamResync(_Msg):
-    """After a takeover: send the coordinator's stream tap what the producers of these
-    streamed requests, running here, have received so far (the chunks the coordinator that
-    died had read are gone with it). Should this agent be lost, they then resume after it."""
+    """After a takeover or a restart: send the coordinator's stream tap what the producers of
+    these requests, running here, have been streamed so far (the chunks the coordinator
+    before had read are gone with it). Should this agent be lost, they then resume after it."""
 
     type: Literal["stream_resync"] = "stream_resync"
     instance_id: str

@@ -231,9 +231,10 @@ class StaleAttempt:
 
 @dataclass(frozen=True)
 class StreamResyncOrder:
-    """After a takeover: running streamed requests this coordinator adopted, whose producers
-    already hold tokens it never saw (the tap's chunks went to the coordinator that died). The
-    agent sends their published prefixes to the tap (``StreamResync``)."""
+    """An instance's first heartbeat here listed work running (dispatched by a coordinator
+    before: a takeover, a restart). Where those requests stream, their producers hold tokens
+    this coordinator never saw (the tap's chunks went to the one before): the agent sends
+    their published prefixes to the tap (``StreamResync``)."""
 
     instance_id: str
     agent_id: str
@@ -398,7 +399,7 @@ class CoordinatorCore:
         self.late_results_refused = 0
         # attempts of a lost instance's woken agent whose request went on without them
         self.stale_attempts: list[StaleAttempt] = []
-        # adopted streamed requests, per instance, whose agent is to resync their streams
+        # per newly registered instance, the running work whose streams its agent resyncs
         self.stream_resyncs: dict[str, StreamResyncOrder] = {}
         # A broker redelivery of a request this coordinator does not track (a takeover, a
         # restart) may be running on an engine, dispatched by the coordinator before: it is
@@ -955,7 +956,7 @@ class CoordinatorCore:
                 )
 
     def take_stream_resyncs(self) -> list[StreamResyncOrder]:
-        """The adopted streams to resync since the last call (for the service to send)."""
+        """The stream resyncs found since the last call (for the service to send)."""
         orders, self.stream_resyncs = list(self.stream_resyncs.values()), {}
         return orders
 
@@ -1307,9 +1308,10 @@ class CoordinatorCore:
     ) -> bool:
         """A token chunk an agent published to a streamed request's producer (the stream
         tap): follow what the producer receives, by the producer's own rule
-        (:class:`qlm.streaming.Reassembler`). False where it is not taken: no such streamed
-        request here (answered, never seen, or not streamed), or tokens beyond its
-        ``max_tokens`` (an agent's bug, not the producer's output)."""
+        (:class:`qlm.streaming.Reassembler`). A request not tracked (yet) keeps it for its
+        redelivery (``untracked_streams``). False where it is not taken: a request answered or
+        not streamed, or tokens beyond its ``max_tokens`` (an agent's bug, not the producer's
+        output)."""
         tracked = self.requests.get(request_id)
         if tracked is None:
             return self._untracked_streamed(request_id, offset, token_ids, attempt)

@@ -849,10 +849,10 @@ class Coordinator:
             log.warning("stale_attempt_stop_failed", request_id=stale.request_id, error=repr(exc))
 
     async def _resync_streams(self, resync: StreamResyncOrder) -> None:
-        """Ask an agent for what the producers of the streamed requests adopted from it have
-        (docs/protocol.md, "Token streams"). Best effort: where the order or its answer is
-        lost, such a request, should its agent be lost too, resumes from its last resume
-        point, as before."""
+        """Ask an agent what the producers of the requests it reported running at its first
+        heartbeat here have been streamed (docs/protocol.md, "Token streams"). Best effort:
+        where the order or its answer is lost, such a request, should its agent be lost too,
+        resumes from its last resume point, as before."""
         try:
             for at in range(0, len(resync.request_ids), MAX_RESYNC_REQUESTS):
                 ids = resync.request_ids[at : at + MAX_RESYNC_REQUESTS]
