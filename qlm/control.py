@@ -73,6 +73,10 @@ class InstanceStatus(_Msg):
     warm_models: list[str] | None = None
     # the batch cap the agent applies (BatchCap): at most this many requests in the engine
     max_in_engine: int | None = Field(default=None, ge=1)
+    # False while the engine does not answer (e.g. the agent's `vllm serve` died): the
+    # coordinator places no work there and moves what waits for it elsewhere until it is True
+    # again (an automatic drain, lifted by itself)
+    engine_ok: bool = True
 
 
 class Heartbeat(_Msg):

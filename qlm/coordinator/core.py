@@ -140,6 +140,9 @@ class InstanceState:
     # attempts it was running when it was declared lost (request id -> dispatch id), while
     # its agent, back, still reports them: each is stopped once another attempt replaced it
     orphans: dict[str, str] = field(default_factory=dict)
+    # draining because its agent says the engine does not answer (InstanceStatus.engine_ok),
+    # not because an operator drained it: lifted when the engine answers again
+    engine_down: bool = False
     # the last view and what it was built from: every arrival is placed over every instance's
     # view, so it is rebuilt only when one of these changed (a million-request simulation
     # spends most of its coordinator time here otherwise)
@@ -591,9 +594,14 @@ class CoordinatorCore:
         return "stopping", tracked, order
 
     def served_models(self) -> dict[str, list[InstanceState]]:
-        """Model -> the live instances that serve it (draining and lost ones take no work)."""
+        """Model -> the live instances that serve it (draining and lost ones take no work).
+        One drained because its engine does not answer counts: its agent is there and the
+        engine is expected back (a `vllm serve` restarting), so requests for a model it alone
+        serves wait for it rather than being refused ``model_not_served``."""
         served: dict[str, list[InstanceState]] = {}
-        for inst in self._live():
+        for inst in self.instances.values():
+            if inst.status != "alive" and not (inst.engine_down and inst.status == "draining"):
+                continue
             for model in inst.info.models:
                 served.setdefault(model, []).append(inst)
         return served
@@ -838,6 +846,8 @@ class CoordinatorCore:
             inst.info = status.info
             inst.last_seen = now
             inst.last_status = status
+            if status.engine_ok == inst.engine_down:
+                self._engine_changed(inst, status, now)
             self._adopt(inst, status.in_flight)
             if inst.orphans:
                 self._stop_replaced(inst, status.in_flight)
@@ -850,6 +860,24 @@ class CoordinatorCore:
         if self.held_count:
             self.promote_due(now)
         return new
+
+    def _engine_changed(self, inst: InstanceState, status: InstanceStatus, now: float) -> None:
+        """Its agent says the engine stopped answering, or answers again (a `vllm serve` that
+        died and was restarted): drain it meanwhile. Work waiting for it would wait for an
+        engine that may never come back, and work sent there would fail at once."""
+        if not status.engine_ok:
+            if inst.status == "alive":
+                moved = self._drain(inst, now)
+                inst.engine_down = True
+                log.warning("instance_engine_down", instance_id=inst.instance_id, moved=moved)
+            return
+        inst.engine_down = False
+        if inst.status == "draining":
+            inst.status = "alive"
+            self._instances_changed()
+            self._reconcile_credit(inst, status)
+            log.info("instance_engine_back", instance_id=inst.instance_id)
+            self._place_unassigned(now)
 
     def _place_parked(self, now: float) -> None:
         """Redeliveries parked a heartbeat timeout ago that no agent reported running are
@@ -1469,6 +1497,11 @@ class CoordinatorCore:
         inst = self.instances[instance_id]
         if inst.status == "lost":
             return 0
+        inst.engine_down = False  # the operator's drain: it stays when the engine is back
+        return self._drain(inst, now)
+
+    def _drain(self, inst: InstanceState, now: float) -> int:
+        instance_id = inst.instance_id
         inst.status = "draining"
         self._instances_changed()
         inst.credit = 0

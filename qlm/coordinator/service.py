@@ -1664,6 +1664,8 @@ class Coordinator:
                     "gpu_type": inst.info.gpu_type,
                     "models": list(inst.info.models),
                     "status": inst.status,
+                    # draining because its engine does not answer (lifted when it does)
+                    "engine_down": inst.engine_down,
                     "active_model": st.active_model if st else None,
                     "running": st.running if st else 0,
                     "waiting": st.waiting if st else 0,

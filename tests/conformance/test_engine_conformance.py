@@ -77,7 +77,7 @@ def _vllm_engine(tmp: Path) -> EngineBackend:
     )
 
 
-_HTTP_SERVER: Any = None  # tests.vllm.server.VllmServer, started by the first http test
+_HTTP_SERVER: Any = None  # qlm.tooling.vllm_serve.VllmServer, started by the first http test
 
 
 def _http_engine(tmp: Path) -> EngineBackend:
@@ -85,14 +85,10 @@ def _http_engine(tmp: Path) -> EngineBackend:
 
     global _HTTP_SERVER
     if _HTTP_SERVER is None:
-        from qlm.agents.tiny_model import make_tiny_model
-        from tests.vllm.server import VllmServer, make_slow_model
+        from qlm.tooling.vllm_serve import VllmServer, local_slow_model
 
-        cached = os.environ.get("QLM_TINY_MODEL_DIR")
-        tiny = make_tiny_model(cached or tmp / "tiny-llama")
         # the slower model: a 1500-token request must still run after 0.3 s (abort test)
-        slow = make_slow_model(tiny, Path(f"{cached}-slow") if cached else tmp / "slow-llama")
-        server = VllmServer(slow, tmp / "vllm-serve.log")
+        server = VllmServer(local_slow_model(tmp), tmp / "vllm-serve.log")
         server.start()  # blocks the test's loop for ~30-60 s, once
         _HTTP_SERVER = server
     return HttpEngine(MODEL, _HTTP_SERVER.url, HttpSettings(metrics_interval_s=0.2))

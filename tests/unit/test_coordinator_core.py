@@ -141,6 +141,48 @@ def test_drain_moves_queue_and_stops_dispatch() -> None:
     assert admit(core).instance_id == "b-gpu0"
 
 
+def _engine(agent: str, ok: bool, owed: int = 0, at: float = 0.0) -> Heartbeat:
+    hb = heartbeat(agent, at=at)
+    hb.instances[0].engine_ok = ok
+    hb.instances[0].credit_outstanding = owed
+    hb.instances[0].dispatches_received = 0
+    return hb
+
+
+def test_an_engine_that_stops_answering_is_drained_until_it_answers_again() -> None:
+    """An http agent's `vllm serve` died: the agent lives and says so in its heartbeats. Work
+    waiting for that instance would wait for nothing (its agent pulls nothing meanwhile)."""
+    core = core_with({"a": 1, "b": 1})
+    for _ in range(10):
+        admit(core)
+    a = core.instances["a-gpu0"]
+    assert len(a.queue) > 0
+    core.on_heartbeat(_engine("a", ok=False, at=1.0), now=1.0)
+    assert a.status == "draining" and a.engine_down and len(a.queue) == 0
+    assert len(core.instances["b-gpu0"].queue) == 10
+    assert admit(core).instance_id == "b-gpu0"
+    # its model is still served (a restarting server): requests wait, are not refused
+    assert "mistral-7b" in core.served_models()
+    core.on_heartbeat(_engine("a", ok=False, at=1.5), now=1.5)  # still down: nothing moves
+    assert a.status == "draining" and len(core.instances["b-gpu0"].queue) == 11
+    core.on_heartbeat(_engine("a", ok=True, owed=2, at=2.0), now=2.0)
+    assert a.status == "alive" and not a.engine_down
+    assert a.credit == 2  # the agent's credit, reconciled as it came back
+    assert admit(core, submitted_at=2.0).instance_id == "a-gpu0"  # placed there again
+    assert [o.instance_id for o in core.next_dispatches(2.0)] == ["a-gpu0"]
+
+
+def test_an_operator_drain_outlasts_the_engine_coming_back() -> None:
+    core = core_with({"a": 1, "b": 1})
+    core.on_heartbeat(_engine("a", ok=False, at=1.0), now=1.0)
+    core.drain("a-gpu0", now=1.2)
+    core.on_heartbeat(_engine("a", ok=True, at=2.0), now=2.0)
+    assert core.instances["a-gpu0"].status == "draining"
+    assert "mistral-7b" in core.served_models()  # b serves it
+    core.on_heartbeat(_engine("b", ok=False, at=2.0), now=2.0)
+    assert core.served_models() == {"mistral-7b": [core.instances["b-gpu0"]]}
+
+
 def test_replan_keeps_every_request_once_in_policy_order() -> None:
     core = core_with({"a": 2}, policy="fcfs")
     ts = [admit(core, submitted_at=float(10 - i)) for i in range(8)]

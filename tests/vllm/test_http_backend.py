@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import os
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -35,13 +34,14 @@ from qlm.agents.engine import EngineOutput, EngineRequest, TokenDelta
 from qlm.agents.http import HttpBackendError, HttpEngine, HttpSettings
 from qlm.agents.vllm import vllm_available
 from qlm.tooling.ports import free_loopback_port
-from tests.vllm.server import (
+from qlm.tooling.vllm_serve import (
     KV_CACHE_BYTES,
     MAX_NUM_SEQS,
     SERVED_NAME,
     VllmServer,
-    make_slow_model,
+    local_slow_model,
 )
+from qlm.tooling.vllm_serve import greedy_reference as reference
 
 pytestmark = [
     pytest.mark.vllm,
@@ -55,12 +55,8 @@ PROMPT = list(range(3, 43))  # 40 tokens
 
 @pytest.fixture(scope="module")
 def slow_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from qlm.agents.tiny_model import make_tiny_model
-
-    cached = os.environ.get("QLM_TINY_MODEL_DIR")  # reuse them across runs when set
-    tiny = make_tiny_model(cached or tmp_path_factory.mktemp("tiny-llama"))
-    slow = Path(f"{cached}-slow") if cached else tmp_path_factory.mktemp("slow-llama")
-    return make_slow_model(tiny, slow)
+    # QLM_TINY_MODEL_DIR keeps the models across runs when set
+    return local_slow_model(tmp_path_factory.mktemp("models"))
 
 
 @pytest.fixture(scope="module")
@@ -123,23 +119,6 @@ def greedy(rid: str, prompt: list[int], max_tokens: int, **kw: Any) -> EngineReq
         ignore_eos=True,
         **kw,
     )
-
-
-async def reference(url: str, prompt: list[int] | str, max_tokens: int) -> tuple[list[int], str]:
-    """The server's own greedy answer, without the engine: a non-streaming completion."""
-    body = {
-        "model": MODEL,
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0.0,
-        "ignore_eos": True,
-        "return_token_ids": True,
-    }
-    async with httpx.AsyncClient(base_url=url, timeout=120) as client:
-        resp = await client.post("/v1/completions", json=body)
-    resp.raise_for_status()
-    choice = resp.json()["choices"][0]
-    return list(choice["token_ids"]), str(choice["text"])
 
 
 async def generated_at_least(eng: HttpEngine, rid: str, n: int, timeout: float = 60.0) -> None:
@@ -487,12 +466,14 @@ async def test_a_killed_server_hands_requests_back_and_is_used_again_after_resta
     got = out.output_token_ids
     assert len(got) >= 10 and got == ref_ids[: len(got)]
     await eventually(lambda: eng.wants() == 0)  # no pulls while the server is gone
+    assert not eng.stats().serving  # the heartbeat says so: the coordinator drains it
     eng.submit(greedy("refused", PROMPT, 8))
     refused = await outputs.get("refused", timeout=30)
     assert refused.error and refused.retryable and refused.output_token_ids == []
 
     server.start()  # same port, as a supervisor would restart it
     await eventually(lambda: eng.wants() > 0, timeout=30)
+    assert eng.stats().serving
     eng.submit(greedy("k2", PROMPT, 300, resume_token_ids=got))
     out = await outputs.get("k2")
     assert out.error is None and out.output_token_ids == ref_ids

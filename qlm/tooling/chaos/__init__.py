@@ -18,12 +18,13 @@ from typing import Any
 
 import structlog
 
+from qlm.tooling.chaos.engines import ENGINE_SCENARIOS
 from qlm.tooling.chaos.scenarios import SCENARIOS as _FAULT_SCENARIOS
 from qlm.tooling.chaos.scenarios import ChaosSettings, Scenario, ScenarioResult
 from qlm.tooling.chaos.security import SECURITY_SCENARIOS
 
 # every scenario `qlm chaos` knows, in the order it runs them
-SCENARIOS: dict[str, Scenario] = {**_FAULT_SCENARIOS, **SECURITY_SCENARIOS}
+SCENARIOS: dict[str, Scenario] = {**_FAULT_SCENARIOS, **ENGINE_SCENARIOS, **SECURITY_SCENARIOS}
 
 __all__ = [
     "SCENARIOS",
@@ -114,6 +115,7 @@ def results_json(results: Sequence[ScenarioResult], settings: ChaosSettings) -> 
             "leader_kill_late_requests": settings.leader_kill_late_requests,
             "max_tokens": settings.max_tokens,
             "time_scale": settings.time_scale,
+            "server_stream_requests": settings.server_stream_requests,
             "heartbeat_timeout_s": settings.heartbeat_timeout_s,
         },
     }

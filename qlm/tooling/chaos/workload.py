@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from qlm.client import QlmClient, Reply, StreamPiece, TokenStream
-from qlm.types import SLO, RequestMessage, ResultMessage
+from qlm.types import SLO, RequestMessage, ResultMessage, SamplingParams
 
 PUBLISH_CONCURRENCY = 200  # confirms awaited at once; one by one a cluster takes ~1.5 ms each
 RATE_WINDOW_S = 1.0
@@ -41,6 +41,10 @@ class ChaosLoad:
     # stream: true - every request's tokens are read as they come (QlmClient.open_stream)
     stream: bool = False
     pieces: dict[str, list[StreamPiece]] = field(default_factory=dict)
+    # greedy decoding to max_tokens (EOS ignored), and a prompt of its own for each request:
+    # every answer can be checked against the engine's own greedy answer to its prompt
+    greedy: bool = False
+    ended: set[str] = field(default_factory=set)  # streams read to their end
     _readers: list[asyncio.Task[None]] = field(default_factory=list)
 
     async def __aenter__(self) -> ChaosLoad:
@@ -54,15 +58,32 @@ class ChaosLoad:
         if self.client is not None:
             await self.client.close()
 
+    def prompt(self, i: int) -> list[int]:
+        shift = 13 * i if self.greedy else 0
+        return [1 + (j * 7 + shift) % 200 for j in range(self.prompt_tokens)]
+
     def request(self, i: int) -> RequestMessage:
         return RequestMessage(
             request_id=f"{self.prefix}-{i}",
             model=self.model,
-            prompt_token_ids=[1 + (j * 7) % 200 for j in range(self.prompt_tokens)],
+            prompt_token_ids=self.prompt(i),
             max_tokens=self.max_tokens,
+            sampling=SamplingParams(temperature=0.0, ignore_eos=True)
+            if self.greedy
+            else SamplingParams(),
             slo=SLO(e2e_ms=int(self.slo_s * 1000)),
             stream=self.stream,
         )
+
+    def results(self) -> dict[int, ResultMessage]:
+        """The answered requests' results, by request index."""
+        out: dict[int, ResultMessage] = {}
+        for f in self.futures:
+            if f.done() and not f.cancelled() and f.exception() is None:
+                result = f.result()
+                if isinstance(result, ResultMessage):
+                    out[int(result.request_id.rsplit("-", 1)[1])] = result
+        return out
 
     async def publish(self) -> None:
         """Publish every request; each returns once the broker confirmed it. A request the
@@ -95,6 +116,12 @@ class ChaosLoad:
                 got.append(piece)
         except Exception:  # noqa: BLE001 - an error reply: counted by errors()
             return
+        finally:
+            self.ended.add(stream.request_id)
+
+    def streaming(self) -> int:
+        """Streams that have delivered tokens and not yet ended."""
+        return sum(1 for rid, got in self.pieces.items() if got and rid not in self.ended)
 
     def broken_streams(self) -> tuple[int, int, int]:
         """(streams whose tokens were not the result's exactly, tokens repeated, tokens

