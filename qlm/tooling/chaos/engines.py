@@ -47,6 +47,20 @@ RUNNING_AT_KILL = 2
 GENERATED_AT_KILL = 40
 
 
+def _greedy_load(s: ChaosSettings, amqp_url: str, tag: str, n: int, *, stream: bool) -> ChaosLoad:
+    """``n`` greedy requests for the servers' model, ids ``<tag>-<pid>-<i>``."""
+    return ChaosLoad(
+        amqp_url,
+        f"{tag}-{os.getpid()}",
+        n,
+        model=SERVED_NAME,
+        max_tokens=s.server_max_tokens,
+        prompt_tokens=32,
+        stream=stream,
+        greedy=True,
+    )
+
+
 async def _server_gauges(url: str) -> dict[str, float]:
     """The server's own counts (``/metrics``): requests running, tokens generated."""
     async with httpx.AsyncClient(timeout=5) as http:
@@ -157,16 +171,7 @@ async def server_kill_streams(s: ChaosSettings, amqp_url: str | None) -> Scenari
         victim, survivor = servers
         async with (
             _fleet(amqp_url, workdir, agents, s) as fleet,
-            ChaosLoad(
-                amqp_url,
-                f"{NAME}-{os.getpid()}",
-                s.server_stream_requests,
-                model=SERVED_NAME,
-                max_tokens=s.server_max_tokens,
-                prompt_tokens=32,
-                stream=True,
-                greedy=True,
-            ) as load,
+            _greedy_load(s, amqp_url, NAME, s.server_stream_requests, stream=True) as load,
         ):
             await load.publish()
             notes: list[str] = []
@@ -177,10 +182,20 @@ async def server_kill_streams(s: ChaosSettings, amqp_url: str | None) -> Scenari
             await asyncio.to_thread(victim.kill)
             await load.wait_all(s.reply_timeout_s)
             notes += await _stall_notes(load, fleet.admin_url, fleet.token)
-            moved, resumed = _requeued(fleet.logs("coordinator"))
+            coordinator_log = fleet.logs("coordinator")
+            moved, resumed = _requeued(coordinator_log)
+            drained = re.findall(
+                r'"moved": (\d+), "event": "instance_engine_down"', coordinator_log
+            )
             notes.append(
                 f"the killed server's agent handed back {moved} requests (engine_failed), "
-                f"{resumed} of them resumed after tokens already generated"
+                f"{resumed} of them resumed after tokens already generated; its instance "
+                + (
+                    f"drained while the engine was down ({sum(map(int, drained))} queued "
+                    "requests moved to the other)"
+                    if drained
+                    else "never drained"
+                )
             )
             broken = _streams_checked(NAME, s, load, notes)
             differ, checked = await _not_greedy(load, survivor)
@@ -199,14 +214,8 @@ async def server_kill_streams(s: ChaosSettings, amqp_url: str | None) -> Scenari
                 )
             else:
                 notes.append("the restarted server's instance was not alive again within 60 s")
-            async with ChaosLoad(
-                amqp_url,
-                f"{NAME}-after-{os.getpid()}",
-                s.server_after_requests,
-                model=SERVED_NAME,
-                max_tokens=s.server_max_tokens,
-                prompt_tokens=32,
-                greedy=True,
+            async with _greedy_load(
+                s, amqp_url, f"{NAME}-after", s.server_after_requests, stream=False
             ) as after:
                 await after.publish()
                 await after.wait_all(s.reply_timeout_s)
