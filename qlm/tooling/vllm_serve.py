@@ -77,9 +77,17 @@ def make_slow_model(tiny_dir: Path, path: Path) -> Path:
 class VllmServer:
     """One ``vllm serve`` process on a free port; ``start()`` waits until it answers."""
 
-    def __init__(self, model_dir: Path, log_path: Path, *, port: int | None = None) -> None:
+    def __init__(
+        self,
+        model_dir: Path,
+        log_path: Path,
+        *,
+        port: int | None = None,
+        max_num_seqs: int = MAX_NUM_SEQS,
+    ) -> None:
         self.model_dir = model_dir
         self.log_path = log_path
+        self.max_num_seqs = max_num_seqs
         self.port = port or free_loopback_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen[bytes] | None = None
@@ -100,7 +108,7 @@ class VllmServer:
             "--max-model-len",
             str(MAX_MODEL_LEN),
             "--max-num-seqs",
-            str(MAX_NUM_SEQS),
+            str(self.max_num_seqs),
             "--dtype",
             "float32",  # CPU: bf16 can SIGILL without the AMX permission
             "--block-size",
@@ -164,6 +172,16 @@ class VllmServer:
             os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait()
         self.proc = None
+
+    def hang(self) -> None:
+        """SIGSTOP the whole server: it keeps its connections and answers nothing, as a stuck
+        GPU or a frozen host would."""
+        if self.proc is not None:
+            os.killpg(self.proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        if self.proc is not None:
+            os.killpg(self.proc.pid, signal.SIGCONT)
 
     def stop(self) -> None:
         if self.proc is None:

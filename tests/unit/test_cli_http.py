@@ -79,6 +79,18 @@ def test_the_pull_size_reaches_every_backend_it_is_given_to() -> None:
     assert sim._engine.pull_at_most == 1
 
 
+def test_the_request_timeout_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    (default,) = _make(["llama=http://h:1"])
+    assert default.settings.request_timeout_s == 30.0
+    monkeypatch.setenv("QLM_HTTP_REQUEST_TIMEOUT_S", "5")
+    (http,) = _make(["llama=http://h:1"])
+    assert http.settings.request_timeout_s == 5.0
+    for bad in ("soon", "0"):
+        monkeypatch.setenv("QLM_HTTP_REQUEST_TIMEOUT_S", bad)
+        with pytest.raises(typer.BadParameter, match="QLM_HTTP_REQUEST_TIMEOUT_S|request_timeout"):
+            _make(["llama=http://h:1"])
+
+
 def test_every_backend_refuses_a_pull_size_below_one() -> None:
     from qlm.agents.sim import SimEngine
     from qlm.agents.vllm import VllmSettings

