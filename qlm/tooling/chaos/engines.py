@@ -231,13 +231,12 @@ async def _server_fault(
             # instance must take work again by itself (its drain lifted), greedy work too
             restarted = time.monotonic()
             await asyncio.to_thread(victim.resume if hang else victim.start)
-            if await _wait_status(fleet, "chaos-0", "alive", timeout=60):
+            lifted = await _wait_status(fleet, "chaos-0", "alive", timeout=60)
+            if lifted:
                 notes.append(
                     f"the {'continued' if hang else 'restarted'} server's instance was alive "
                     f"again (its drain lifted) {time.monotonic() - restarted:.1f} s after"
                 )
-            else:
-                notes.append("the server's instance was not alive again within 60 s")
             async with _greedy_load(
                 s, amqp_url, f"{name}-after", s.server_after_requests, stream=False
             ) as after:
@@ -263,8 +262,13 @@ async def _server_fault(
                 )
             result.broken_streams = broken
             result.not_greedy = differ + later
+            # the mechanisms under test, each seen at work (or the run proves nothing)
             if moved == 0:
-                result.error = "the kill hit no running request: nothing was handed back"
+                result.error = "the fault hit no running request: nothing was handed back"
+            elif not drained:
+                result.error = "the instance was never drained while its engine was down"
+            elif not lifted:
+                result.error = "the server's instance was not alive again within 60 s"
             return result
     finally:
         for srv in servers:
