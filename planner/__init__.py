@@ -44,6 +44,7 @@ def create_policy(
     budget_clock: BudgetClock = "wall",
     objective: str | None = None,
     cap_throughput_min: float | None = None,
+    class_lanes: bool | None = None,
     **overrides: Any,
 ) -> QueuePolicy:
     """The policy called ``name`` (case-insensitive; ``ValueError`` names the known ones).
@@ -56,6 +57,8 @@ def create_policy(
       its default; policies without one ignore it;
     * ``cap_throughput_min`` - the share of full-batch throughput the planner's batch caps
       keep (``QLM_PLANNER_CAP_THROUGHPUT_MIN`` live); ``None`` keeps its default;
+    * ``class_lanes`` - the planner's class lanes (``QLM_PLANNER_CLASS_LANES`` live);
+      ``None`` keeps its default;
     * ``overrides`` - constructor arguments (a scenario file's policy variants); the planner's
       ``grouping`` may be given as a mapping. They win over the two above.
     """
@@ -71,6 +74,8 @@ def create_policy(
         kwargs["objective"] = objective
     if cap_throughput_min is not None:
         kwargs["cap_throughput_min"] = cap_throughput_min
+    if class_lanes is not None:
+        kwargs["class_lanes"] = class_lanes
     kwargs.update(overrides)
     if isinstance(kwargs.get("grouping"), Mapping):  # from YAML/JSON
         kwargs["grouping"] = GroupingConfig(**kwargs["grouping"])

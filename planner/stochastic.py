@@ -107,6 +107,18 @@ CAP_SHARES = (0.9, 0.875, 0.8125, 0.75, 0.5, 0.375, 0.25, 0.1875, 0.125)
 CAP_MIN = 16
 CAP_HOLD_S = 60.0  # a cap stays while latency-bound work was seen this recently
 CAP_TTFT_S = 10.0  # a TTFT SLO this short: the work cannot wait long for a slot
+# class_lanes: a class is "tight" while its decayed mean of (own time at the length bound) /
+# (e2e SLO) is at least LANE_TIGHT (its decode takes most of its SLO, so another class's
+# prefills beside it make it miss), "slack" while at most LANE_SLACK (minutes to spare); the
+# mean moves by LANE_CLASS_ALPHA per arrival. An instance's mix is counted over about
+# LANE_WINDOW_S; slack work waits up to LANE_WAIT of its slack on a slack instance before it
+# joins tight work; lanes hold while the arrivals' load is below LANE_MAX_LOAD of the fleet
+LANE_TIGHT = 0.5
+LANE_SLACK = 0.25
+LANE_CLASS_ALPHA = 0.02
+LANE_WINDOW_S = 60.0
+LANE_WAIT = 0.5
+LANE_MAX_LOAD = 0.95
 # the request-level EDF walk scans up to this many candidate instances of a model; more are
 # kept sorted by start (the same choice, found without computing every lane's start)
 SCAN_LANES_UP_TO = 8
@@ -223,6 +235,13 @@ class QLMConfig:
     # a cap costs throughput: at least this share of the full batch's is kept. Lower it to
     # trade throughput for latency-bound requests met (docs/planner.md, "Batch caps")
     cap_throughput_min: float = 0.98
+    # Class lanes (off by default): while the fleet is below capacity, an arrival of a class
+    # whose decode takes most of its SLO ("tight") goes, among the instances where it meets
+    # its deadline, to one that took the least slack-rich work lately, and work with minutes
+    # to spare ("slack") to one that took the least tight work, so that the slack work's
+    # prefills do not slow the tight work's decode. A placement rule: replans may still mix
+    # them (docs/planner.md, "Class lanes")
+    class_lanes: bool = False
 
     def __post_init__(self) -> None:
         if not 0.5 <= self.slo_quantile < 1:
@@ -548,6 +567,10 @@ class QLMPolicy(QueuePolicy):
         # instance id -> when the cap the last plan set there lapses unless a plan sees
         # latency-bound work of its model again (lapsed_caps)
         self._cap_lapse: dict[str, float] = {}
+        # class_lanes: per SLO class, the decayed mean of own time / SLO; per instance, when
+        # its mix was last updated and the decayed count of tight and slack arrivals placed
+        self._lane_ratio: dict[str | None, float] = {}
+        self._lane_mix: dict[str, tuple[float, dict[str, float]]] = {}
 
     # ------------------------------------------------------------------ interface
     def sort_key(self, request: PlanRequest) -> tuple[Any, ...]:
@@ -720,6 +743,7 @@ class QLMPolicy(QueuePolicy):
         # instances are compared on that alone, so that an arrival on an idle fleet costs one
         # tuple comparison per instance
         at_once: tuple[int, str] | None = None
+        kind = self._lane_kind(request, eligible, out_bound) if self.config.class_lanes else None
         for inst in eligible:
             iid = inst.instance_id
             rate = None
@@ -730,7 +754,7 @@ class QLMPolicy(QueuePolicy):
             if lane is None or (queued <= 0.0 and (lane.placed > 0.0 or lane._due)):
                 rate = rates_get((iid, model)) or self._rate(inst, model)
                 lane = self._lane(iid, queued, rate)
-            if at_once is not None and (inst.running, iid) >= at_once:
+            if kind is None and at_once is not None and (inst.running, iid) >= at_once:
                 continue
             if rate is None:
                 rate = rates_get((iid, model)) or self._rate(inst, model)
@@ -760,12 +784,20 @@ class QLMPolicy(QueuePolicy):
                 start = now + ahead * lane.s_per_token + swap
                 infeasible = start > due
             primary = queued * lane.s_per_token + swap if infeasible else start
-            if best is not None and (
-                infeasible > best_infeasible
-                or (infeasible == best_infeasible and primary > best_primary)
-            ):
-                continue
-            rank = (infeasible, primary, inst.running, iid)
+            rank: tuple[Any, ...]
+            if kind is None:
+                if best is not None and (
+                    infeasible > best_infeasible
+                    or (infeasible == best_infeasible and primary > best_primary)
+                ):
+                    continue
+                rank = (infeasible, primary, inst.running, iid)
+            elif infeasible:
+                rank = (True, False, 0.0, primary, inst.running, iid)
+            else:  # among the instances where it meets: the one whose mix suits it
+                other = "slack" if kind == "tight" else "tight"
+                late = kind == "slack" and start - now > LANE_WAIT * max(due - now, 0.0)
+                rank = (False, late, self._lane_share(iid, other, now), primary, inst.running, iid)
             if best is None or rank < best[0]:
                 occ = request.prompt_tokens * rate.inv_prefill_tps + out_mean * rate.inv_tps
                 best = (rank, inst, due, occ, shot, at)
@@ -775,6 +807,8 @@ class QLMPolicy(QueuePolicy):
         assert best is not None
         rank, inst, due, occ, shot, at = best
         infeasible = rank[0]
+        if kind is not None:
+            self._note_lane(inst.instance_id, kind, now)
         if self.config.long_shot_quantile is not None:
             self._accrue(now, len(eligible))
             if not shot:
@@ -825,6 +859,64 @@ class QLMPolicy(QueuePolicy):
                 del self._arrival_keys[old]
         self._arrival_keys[request.request_id] = key
         return iid
+
+    def _lane_kind(
+        self, request: PlanRequest, eligible: Sequence[PlanInstance], out_bound: float
+    ) -> str | None:
+        """class_lanes: "tight", "slack" or None (no preference) for an arrival, by its
+        class's decayed mean of own time at the length bound over its e2e SLO (per class, so
+        that one class does not flip between lanes with its members' lengths). Work with a
+        TTFT SLO has none: its wait, not its decode speed, decides it. None too while the
+        arrivals' load is near the fleet's capacity: then every instance is needed for
+        everything, and keeping classes apart only leaves one lane short."""
+        if request.ttft_deadline is not None:
+            return None
+        if request.deadline is None:
+            ratio = 0.0  # no SLO: as slack as can be
+        else:
+            inst = eligible[0]
+            rate = self._rates.get((inst.instance_id, request.model)) or self._rate(
+                inst, request.model
+            )
+            own = (
+                rate.prefill_fixed_s
+                + rate.prefill_s_per_token * request.prompt_tokens
+                + out_bound * rate.token_s
+            )
+            slo = request.deadline - request.arrival_time
+            ratio_or_none = self._lane_ratio.get(request.slo_class)
+            if slo > 0:  # not a call whose derived deadline had passed when it came
+                x = min(own / slo, 1.0)  # at most "all of it": one outlier moves it little
+                ratio_or_none = (
+                    x
+                    if ratio_or_none is None
+                    else ratio_or_none + LANE_CLASS_ALPHA * (x - ratio_or_none)
+                )
+                self._lane_ratio[request.slo_class] = ratio_or_none
+            if ratio_or_none is None:
+                return None
+            ratio = ratio_or_none
+        if LANE_SLACK < ratio < LANE_TIGHT:
+            return None
+        load = self._occupancy_scale() * (self._sure_rate() + self._shot_load / LOAD_WINDOW_S)
+        if load >= LANE_MAX_LOAD * len(eligible):
+            return None
+        return "slack" if ratio <= LANE_SLACK else "tight"
+
+    def _lane_share(self, iid: str, kind: str, now: float) -> float:
+        """The decayed count of ``kind`` arrivals placed on ``iid`` lately."""
+        mix = self._lane_mix.get(iid)
+        if mix is None:
+            return 0.0
+        at, counts = mix
+        return counts.get(kind, 0.0) * math.exp(-(now - at) / LANE_WINDOW_S)
+
+    def _note_lane(self, iid: str, kind: str, now: float) -> None:
+        at, counts = self._lane_mix.get(iid, (now, {}))
+        decay = math.exp(-(now - at) / LANE_WINDOW_S)
+        counts = {k: v * decay for k, v in counts.items()}
+        counts[kind] = counts.get(kind, 0.0) + 1.0
+        self._lane_mix[iid] = (now, counts)
 
     def _accrue(self, now: float, n_inst: int) -> None:
         """Decay the sure load to ``now`` and credit long shots with the capacity it leaves

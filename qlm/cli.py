@@ -266,6 +266,7 @@ def _live_policy(name: str, s: Settings) -> Any:
             budget_clock="wall",
             objective=s.planner_objective,
             cap_throughput_min=s.planner_cap_throughput_min,
+            class_lanes=s.planner_class_lanes,
         )
     except ValueError as e:
         raise typer.BadParameter(str(e)) from e

@@ -81,6 +81,9 @@ class Settings(BaseSettings):
     # the qlm planner's batch caps keep at least this share of an instance's full-batch
     # throughput (docs/planner.md, "Batch caps"); 1 never caps
     planner_cap_throughput_min: float = Field(default=0.98, gt=0, le=1)
+    # the qlm planner keeps work whose decode takes most of its SLO apart from work with
+    # minutes to spare while the fleet is below capacity (docs/planner.md, "Class lanes")
+    planner_class_lanes: bool = False
     # the batch tier (docs/architecture.md): requests with ≥ batch_min_slack_s to their
     # deadline wait in the durable queue for spare capacity or their promotion time
     batch_tier: bool = True

@@ -401,3 +401,57 @@ def test_place_keeps_an_arrival_out_of_another_model_s_run() -> None:
     vq.replace([(r.request_id, pol.sort_key(r)) for r in first + second])
     vq.insert("urgent", key)
     assert list(vq)[:3] == ["m0", "m1", "m2"] and "urgent" in list(vq)[3:]
+
+
+def placed_by_class(
+    *, lanes: bool, ttft: bool = False, gap_s: float = 1.0, pairs: int = 40
+) -> list[tuple[str, str]]:
+    """Two idle instances; interactive arrivals (12 s SLO, outputs N(400, ~290²): their
+    decode at the length bound, ~820 tokens at ~9 ms, takes most of it) and batch arrivals
+    (300 s) alternate, ``pairs`` of each, one pair every ``gap_s``, each dispatched at once
+    (nothing queued): the (class, instance) of each placement. ``ttft``: the interactive
+    requests carry a TTFT SLO instead."""
+    pol = QLMPolicy(class_lanes=lanes)
+    rng = np.random.default_rng(0)
+    for cls in ("interactive", "batch"):
+        for out in np.clip(rng.normal(400, 290, 512), 1, 1024):
+            pol.estimator.lengths.observe("mistral-7b", cls, int(out))
+    fleet = [inst("i0"), inst("i1")]
+    idle = {"i0": 0.0, "i1": 0.0}
+    placed = []
+    for k in range(pairs):
+        at = NOW + k * gap_s
+        for cls, slo in (("interactive", 12.0), ("batch", 300.0)):
+            r = PlanRequest(
+                f"{cls}{k}",
+                "mistral-7b",
+                200,
+                1024,
+                at,
+                None if ttft and cls == "interactive" else at + slo,
+                at + 1.0 if ttft and cls == "interactive" else None,
+                seq=2 * k + (cls == "batch"),
+                slo_class=cls,
+            )
+            iid = pol.place(r, fleet, idle, at)
+            assert iid is not None
+            placed.append((cls, iid))
+    return placed
+
+
+def test_class_lanes_keep_tight_work_apart_from_slack_work() -> None:
+    """With class lanes, work whose decode takes most of its SLO and work with minutes to
+    spare go to different instances (each meets its deadline on either); without, both go
+    to the first of the two idle instances."""
+    assert set(placed_by_class(lanes=True)) == {("interactive", "i0"), ("batch", "i1")}
+    assert set(placed_by_class(lanes=False)) == {("interactive", "i0"), ("batch", "i0")}
+
+
+def test_class_lanes_leave_ttft_work_and_a_full_fleet_alone() -> None:
+    """Work with a TTFT SLO has no lane (its wait decides it, not its decode speed), and
+    once the arrivals' load is beyond the fleet's capacity (4,000 arrivals in 20 s, ~3
+    instances' worth) lanes are off: placement as without them."""
+    assert placed_by_class(lanes=True, ttft=True) == placed_by_class(lanes=False, ttft=True)
+    busy = placed_by_class(lanes=True, gap_s=0.01, pairs=2000)
+    assert ("batch", "i1") in busy[:100]  # laned while the load was low
+    assert busy[-100:] == placed_by_class(lanes=False, gap_s=0.01, pairs=2000)[-100:]

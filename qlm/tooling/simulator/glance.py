@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from qlm.tooling.simulator.report import HINDSIGHT, SUMMARY_JSON
+from qlm.tooling.simulator.targets import baselines
 
 SLACK_POINTS = 1.0  # qlm may trail a baseline by this much (sampling noise between policies)
 # A run named RUN + this suffix, made with --clairvoyant, is RUN's clairvoyant twin: qlm alone,
@@ -79,11 +80,6 @@ def _points(summary: Mapping[str, Any], labels: Sequence[str]) -> list[int | Non
     return list(range(len(labels))) if summary.get("sweep") else [None]
 
 
-def _baselines(policies: Mapping[str, Any]) -> list[str]:
-    """Every column but qlm and its own variants (qlm-gate: qlm with a setting)."""
-    return [p for p in policies if p != QLM and not p.startswith(QLM + "-")]
-
-
 def glance_row(summary: Mapping[str, Any]) -> GlanceRow:
     policies: Mapping[str, Any] = summary.get("policies", {})
     labels = _labels(summary)
@@ -91,7 +87,7 @@ def glance_row(summary: Mapping[str, Any]) -> GlanceRow:
     seeds = len(summary.get("seeds") or [summary.get("seed", 0)])
     own_checks = list(summary.get("checks", []))
     own_ok = all(bool(c.get("met")) for c in own_checks)
-    others = _baselines(policies)
+    others = baselines(policies)
     bound_series = (summary.get(HINDSIGHT) or {}).get("slo_attainment")
     if QLM not in policies or not others:
         met = own_ok
@@ -367,7 +363,7 @@ def bound_gap_markdown(summaries: Mapping[str, Mapping[str, Any]]) -> str:
     for name, summary in summaries.items():
         policies: Mapping[str, Any] = summary.get("policies", {})
         bound_series = (summary.get(HINDSIGHT) or {}).get("slo_attainment")
-        others = _baselines(policies)
+        others = baselines(policies)
         if QLM not in policies or not others or bound_series is None:
             continue  # ablations compare qlm with itself, as in the glance
         labels = _labels(summary)
