@@ -793,11 +793,12 @@ class QLMPolicy(QueuePolicy):
                     continue
                 rank = (infeasible, primary, inst.running, iid)
             elif infeasible:
-                rank = (True, False, 0.0, primary, inst.running, iid)
+                rank = (True, False, False, 0.0, primary, inst.running, iid)
             else:  # among the instances where it meets: the one whose mix suits it
                 other = "slack" if kind == "tight" else "tight"
                 late = kind == "slack" and start - now > LANE_WAIT * max(due - now, 0.0)
-                rank = (False, late, self._lane_share(iid, other, now), primary, inst.running, iid)
+                share = self._lane_share(iid, other, now)
+                rank = (False, swap > 0.0, late, share, primary, inst.running, iid)
             if best is None or rank < best[0]:
                 occ = request.prompt_tokens * rate.inv_prefill_tps + out_mean * rate.inv_tps
                 best = (rank, inst, due, occ, shot, at)
@@ -866,10 +867,11 @@ class QLMPolicy(QueuePolicy):
         """class_lanes: "tight", "slack" or None (no preference) for an arrival, by its
         class's decayed mean of own time at the length bound over its e2e SLO (per class, so
         that one class does not flip between lanes with its members' lengths). Work with a
-        TTFT SLO has none: its wait, not its decode speed, decides it. None too while the
+        TTFT SLO has none: its wait, not its decode speed, decides it; nor has a call of a
+        task chain or a program, whose slack is its later calls' too. None too while the
         arrivals' load is near the fleet's capacity: then every instance is needed for
         everything, and keeping classes apart only leaves one lane short."""
-        if request.ttft_deadline is not None:
+        if request.ttft_deadline is not None or request.derived_deadline:
             return None
         if request.deadline is None:
             ratio = 0.0  # no SLO: as slack as can be
@@ -885,7 +887,7 @@ class QLMPolicy(QueuePolicy):
             )
             slo = request.deadline - request.arrival_time
             ratio_or_none = self._lane_ratio.get(request.slo_class)
-            if slo > 0:  # not a call whose derived deadline had passed when it came
+            if slo > 0:  # not a request past its deadline when it came (a late redelivery)
                 x = min(own / slo, 1.0)  # at most "all of it": one outlier moves it little
                 ratio_or_none = (
                     x

@@ -67,6 +67,9 @@ class PlanRequest:
     priority: int = 0
     slo_class: str | None = None
     seq: int = 0  # coordinator's arrival sequence number: a stable FCFS tie-breaker
+    # its deadline is derived from a task chain's or a program's (qlm/chains.py,
+    # qlm/collective.py): the slack it seems to have is the later calls' too
+    derived_deadline: bool = False
 
     @property
     def effective_deadline(self) -> float:

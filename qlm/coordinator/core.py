@@ -508,6 +508,7 @@ class CoordinatorCore:
             priority=due.priority,
             slo_class=slo.slo_class,
             seq=self._seq,
+            derived_deadline=due.task_deadline is not None or request.stage is not None,
         )
         tracked = TrackedRequest(
             request=request,

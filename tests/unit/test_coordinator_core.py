@@ -938,3 +938,21 @@ def test_no_stale_key_is_asked_while_a_plan_runs_elsewhere() -> None:
     core.on_pull("a-gpu0", 1)
     [order] = core.next_dispatches(6.0)
     assert order.tracked is fresh and policy.asked == [fresh.request_id]
+
+
+def test_a_task_calls_plan_view_says_its_deadline_is_derived() -> None:
+    """A call of a task chain with a task SLA gets its deadline from the task's (qlm/chains.py):
+    its plan view says so, so that a policy does not take the task's slack for the call's
+    (the qlm planner's class lanes); a plain request's deadline is its own."""
+    from qlm.types import TaskInfo
+
+    core = core_with({"a": 1})
+    plain = admit(core)
+    req = make_request(e2e_ms=100_000).model_copy(
+        update={"task": TaskInfo(task_id="t", task_slo_ms=60_000, remaining_ms=20_000)}
+    )
+    chained, outcome = core.admit(req, object(), reply_to="r", correlation_id="c", received_at=0.0)
+    assert outcome == "new"
+    assert not plain.plan_view.derived_deadline
+    assert chained.plan_view.derived_deadline
+    assert chained.plan_view.deadline == pytest.approx(40.0)

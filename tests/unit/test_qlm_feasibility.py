@@ -404,13 +404,19 @@ def test_place_keeps_an_arrival_out_of_another_model_s_run() -> None:
 
 
 def placed_by_class(
-    *, lanes: bool, ttft: bool = False, gap_s: float = 1.0, pairs: int = 40
+    *,
+    lanes: bool,
+    ttft: bool = False,
+    gap_s: float = 1.0,
+    pairs: int = 40,
+    derived: bool = False,
 ) -> list[tuple[str, str]]:
     """Two idle instances; interactive arrivals (12 s SLO, outputs N(400, ~290²): their
     decode at the length bound, ~820 tokens at ~9 ms, takes most of it) and batch arrivals
     (300 s) alternate, ``pairs`` of each, one pair every ``gap_s``, each dispatched at once
     (nothing queued): the (class, instance) of each placement. ``ttft``: the interactive
-    requests carry a TTFT SLO instead."""
+    requests carry a TTFT SLO instead; ``derived``: the batch requests are calls of task
+    chains (their deadlines derived from their tasks')."""
     pol = QLMPolicy(class_lanes=lanes)
     rng = np.random.default_rng(0)
     for cls in ("interactive", "batch"):
@@ -432,6 +438,7 @@ def placed_by_class(
                 at + 1.0 if ttft and cls == "interactive" else None,
                 seq=2 * k + (cls == "batch"),
                 slo_class=cls,
+                derived_deadline=derived and cls == "batch",
             )
             iid = pol.place(r, fleet, idle, at)
             assert iid is not None
@@ -447,11 +454,14 @@ def test_class_lanes_keep_tight_work_apart_from_slack_work() -> None:
     assert set(placed_by_class(lanes=False)) == {("interactive", "i0"), ("batch", "i0")}
 
 
-def test_class_lanes_leave_ttft_work_and_a_full_fleet_alone() -> None:
-    """Work with a TTFT SLO has no lane (its wait decides it, not its decode speed), and
+def test_class_lanes_leave_ttft_work_chain_calls_and_a_full_fleet_alone() -> None:
+    """Work with a TTFT SLO has no lane (its wait decides it, not its decode speed), nor
+    have calls of task chains (their slack is their later calls' too), and
     once the arrivals' load is beyond the fleet's capacity (4,000 arrivals in 20 s, ~3
     instances' worth) lanes are off: placement as without them."""
     assert placed_by_class(lanes=True, ttft=True) == placed_by_class(lanes=False, ttft=True)
+    chains = placed_by_class(lanes=True, derived=True)
+    assert ("batch", "i1") not in chains  # the chain calls have no lane: the soonest start
     busy = placed_by_class(lanes=True, gap_s=0.01, pairs=2000)
     assert ("batch", "i1") in busy[:100]  # laned while the load was low
     assert busy[-100:] == placed_by_class(lanes=False, gap_s=0.01, pairs=2000)[-100:]
