@@ -235,13 +235,13 @@ class QLMConfig:
     # a cap costs throughput: at least this share of the full batch's is kept. Lower it to
     # trade throughput for latency-bound requests met (docs/planner.md, "Batch caps")
     cap_throughput_min: float = 0.98
-    # Class lanes (off by default): while the fleet is below capacity, an arrival of a class
+    # Class lanes: while the fleet is below capacity, an arrival of a class
     # whose decode takes most of its SLO ("tight") goes, among the instances where it meets
     # its deadline, to one that took the least slack-rich work lately, and work with minutes
     # to spare ("slack") to one that took the least tight work, so that the slack work's
     # prefills do not slow the tight work's decode. A placement rule: replans may still mix
     # them (docs/planner.md, "Class lanes")
-    class_lanes: bool = False
+    class_lanes: bool = True
 
     def __post_init__(self) -> None:
         if not 0.5 <= self.slo_quantile < 1:
@@ -544,6 +544,7 @@ class QLMPolicy(QueuePolicy):
         self._sure_load: dict[float, list[float]] = {}
         self._credit = 0.0  # instance-seconds long shots may still take
         self._load_at: float | None = None
+        self._load_since: float | None = None  # the first arrival's time (the load's warm-up)
         # (arrival time, SLO s) of sure arrivals, SLOs increasing: the window's minimum first
         self._sure_slos: deque[tuple[float, float]] = deque()
         self._shots: set[str] = set()  # long shots admitted, still queued
@@ -743,7 +744,9 @@ class QLMPolicy(QueuePolicy):
         # instances are compared on that alone, so that an arrival on an idle fleet costs one
         # tuple comparison per instance
         at_once: tuple[int, str] | None = None
-        kind = self._lane_kind(request, eligible, out_bound) if self.config.class_lanes else None
+        kind = (
+            self._lane_kind(request, eligible, out_bound, now) if self.config.class_lanes else None
+        )
         for inst in eligible:
             iid = inst.instance_id
             rate = None
@@ -862,7 +865,7 @@ class QLMPolicy(QueuePolicy):
         return iid
 
     def _lane_kind(
-        self, request: PlanRequest, eligible: Sequence[PlanInstance], out_bound: float
+        self, request: PlanRequest, eligible: Sequence[PlanInstance], out_bound: float, now: float
     ) -> str | None:
         """class_lanes: "tight", "slack" or None (no preference) for an arrival, by its
         class's decayed mean of own time at the length bound over its e2e SLO (per class, so
@@ -901,7 +904,12 @@ class QLMPolicy(QueuePolicy):
         if LANE_SLACK < ratio < LANE_TIGHT:
             return None
         load = self._occupancy_scale() * (self._sure_rate() + self._shot_load / LOAD_WINDOW_S)
-        if load >= LANE_MAX_LOAD * len(eligible):
+        # the decayed sums start from nothing: over the first minutes they hold only the
+        # share 1 - exp(-t / LOAD_WINDOW_S) of a steady rate, so an overload would look like
+        # spare capacity while it starts (and its first placements would set the lanes)
+        since = now if self._load_since is None else self._load_since
+        seen = 1.0 - math.exp(-max(now - since, 0.0) / LOAD_WINDOW_S)
+        if load >= LANE_MAX_LOAD * len(eligible) * seen:
             return None
         return "slack" if ratio <= LANE_SLACK else "tight"
 
@@ -924,7 +932,7 @@ class QLMPolicy(QueuePolicy):
         """Decay the sure load to ``now`` and credit long shots with the capacity it leaves
         (its rate: the decayed occupancy over LOAD_WINDOW_S, per instance)."""
         if self._load_at is None:
-            self._load_at = now
+            self._load_at = self._load_since = now
         dt = max(now - self._load_at, 0.0)
         self._load_at = now
         if dt > 0.0:

@@ -83,7 +83,7 @@ class Settings(BaseSettings):
     planner_cap_throughput_min: float = Field(default=0.98, gt=0, le=1)
     # the qlm planner keeps work whose decode takes most of its SLO apart from work with
     # minutes to spare while the fleet is below capacity (docs/planner.md, "Class lanes")
-    planner_class_lanes: bool = False
+    planner_class_lanes: bool = True
     # the batch tier (docs/architecture.md): requests with ≥ batch_min_slack_s to their
     # deadline wait in the durable queue for spare capacity or their promotion time
     batch_tier: bool = True

@@ -157,12 +157,12 @@ def test_the_bound_table_gives_qlms_largest_gap_to_the_hindsight_bound(tmp_path:
 
 
 def test_qlms_own_variants_are_not_baselines() -> None:
-    """A column of qlm with a setting (``qlm-lanes``) is compared with qlm in the text: neither
+    """A column of qlm with a setting (``qlm-no-lanes``) is compared with qlm in the text: neither
     the glance row nor a scenario's own checks (targets.check_wb) count it as a baseline."""
     from qlm.tooling.simulator.targets import check_wb
 
     s = summary([0.9, 0.6], [0.85, 0.55], [0.8, 0.5])
-    s["policies"]["qlm-lanes"] = {"slo_attainment": [0.99, 0.7]}
+    s["policies"]["qlm-no-lanes"] = {"slo_attainment": [0.99, 0.7]}
     row = glance_row(s)
     assert row.met and row.baseline == "edf"
     every = [c for c in check_wb(s) if "every baseline" in c[0]]

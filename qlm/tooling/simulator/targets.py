@@ -71,7 +71,7 @@ def _offered(summary: Mapping[str, Any]) -> list[float | None]:
 
 
 def baselines(policies: Mapping[str, Any]) -> list[str]:
-    """Every column but qlm and its own variants (``qlm-gate``, ``qlm-lanes``: qlm with a
+    """Every column but qlm and its own variants (``qlm-gate``, ``qlm-no-lanes``: qlm with a
     setting, compared with qlm in the text, not a baseline it must beat)."""
     return [p for p in policies if p != "qlm" and not p.startswith("qlm-")]
 
