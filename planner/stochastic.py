@@ -111,14 +111,24 @@ CAP_TTFT_S = 10.0  # a TTFT SLO this short: the work cannot wait long for a slot
 # (e2e SLO) is at least LANE_TIGHT (its decode takes most of its SLO, so another class's
 # prefills beside it make it miss), "slack" while at most LANE_SLACK (minutes to spare); the
 # mean moves by LANE_CLASS_ALPHA per arrival. An instance's mix is counted over about
-# LANE_WINDOW_S; slack work waits up to LANE_WAIT of its slack on a slack instance before it
-# joins tight work; lanes hold while the arrivals' load is below LANE_MAX_LOAD of the fleet
+# LANE_WINDOW_S, as the share of the other kind among its recent lane arrivals, in
+# LANE_BUCKETS steps (instances of one step are told apart by their load, not their mix:
+# otherwise the one instance with the least of the other kind takes every arrival of a
+# kind); tight work skips an instance that took more than LANE_CROWD times the mean share
+# of the lane arrivals (a tight lane grows by taking another instance, not by a bigger
+# batch on one: with many instances, one would take all of it); slack work waits up
+# to LANE_WAIT of its slack on a slack instance before it joins tight work; lanes hold while
+# the arrivals' load is below LANE_MAX_LOAD of the fleet
 LANE_TIGHT = 0.5
 LANE_SLACK = 0.25
 LANE_CLASS_ALPHA = 0.02
 LANE_WINDOW_S = 60.0
+LANE_BUCKETS = 4
+LANE_CROWD = 1.25
 LANE_WAIT = 0.5
 LANE_MAX_LOAD = 0.95
+LANE_RESCALE = 1e200  # the forward-decay weight at which the counts are scaled back
+_SUITS = (False, False, False, 0)  # a lane rank's best (no switch, not late, not crowded, own lane)
 # the request-level EDF walk scans up to this many candidate instances of a model; more are
 # kept sorted by start (the same choice, found without computing every lane's start)
 SCAN_LANES_UP_TO = 8
@@ -568,10 +578,12 @@ class QLMPolicy(QueuePolicy):
         # instance id -> when the cap the last plan set there lapses unless a plan sees
         # latency-bound work of its model again (lapsed_caps)
         self._cap_lapse: dict[str, float] = {}
-        # class_lanes: per SLO class, the decayed mean of own time / SLO; per instance, when
-        # its mix was last updated and the decayed count of tight and slack arrivals placed
+        # class_lanes: per SLO class, the decayed mean of own time / SLO; per instance, its
+        # tight and slack arrivals placed, each weighted exp((t - _lane_t0) / LANE_WINDOW_S)
+        # (forward decay: a share of one kind needs no decay of its own, being a ratio)
         self._lane_ratio: dict[str | None, float] = {}
-        self._lane_mix: dict[str, tuple[float, dict[str, float]]] = {}
+        self._lane_mix: dict[str, dict[str, float]] = {}
+        self._lane_t0: float | None = None
 
     # ------------------------------------------------------------------ interface
     def sort_key(self, request: PlanRequest) -> tuple[Any, ...]:
@@ -747,6 +759,9 @@ class QLMPolicy(QueuePolicy):
         kind = (
             self._lane_kind(request, eligible, out_bound, now) if self.config.class_lanes else None
         )
+        crowd = math.inf
+        if kind == "tight":
+            crowd = LANE_CROWD * self._lane_taken(eligible) / len(eligible)
         for inst in eligible:
             iid = inst.instance_id
             rate = None
@@ -757,7 +772,7 @@ class QLMPolicy(QueuePolicy):
             if lane is None or (queued <= 0.0 and (lane.placed > 0.0 or lane._due)):
                 rate = rates_get((iid, model)) or self._rate(inst, model)
                 lane = self._lane(iid, queued, rate)
-            if kind is None and at_once is not None and (inst.running, iid) >= at_once:
+            if at_once is not None and (inst.running, iid) >= at_once:
                 continue
             if rate is None:
                 rate = rates_get((iid, model)) or self._rate(inst, model)
@@ -798,15 +813,16 @@ class QLMPolicy(QueuePolicy):
             elif infeasible:
                 rank = (True, False, False, 0.0, primary, inst.running, iid)
             else:  # among the instances where it meets: the one whose mix suits it
-                other = "slack" if kind == "tight" else "tight"
                 late = kind == "slack" and start - now > LANE_WAIT * max(due - now, 0.0)
-                share = self._lane_share(iid, other, now)
-                rank = (False, swap > 0.0, late, share, primary, inst.running, iid)
+                step = self._lane_step(iid, kind)
+                crowded = crowd < math.inf and self._lane_taken((inst,)) > crowd
+                rank = (False, swap > 0.0, late, crowded, step, primary, inst.running, iid)
             if best is None or rank < best[0]:
                 occ = request.prompt_tokens * rate.inv_prefill_tps + out_mean * rate.inv_tps
                 best = (rank, inst, due, occ, shot, at)
                 best_infeasible, best_primary = infeasible, primary
-                if not infeasible and primary <= now:  # start >= now: none starts sooner
+                # start >= now: none starts sooner (with lanes: nor suits it better)
+                if not infeasible and primary <= now and (kind is None or rank[1:5] == _SUITS):
                     at_once = (inst.running, iid)
         assert best is not None
         rank, inst, due, occ, shot, at = best
@@ -913,20 +929,32 @@ class QLMPolicy(QueuePolicy):
             return None
         return "slack" if ratio <= LANE_SLACK else "tight"
 
-    def _lane_share(self, iid: str, kind: str, now: float) -> float:
-        """The decayed count of ``kind`` arrivals placed on ``iid`` lately."""
-        mix = self._lane_mix.get(iid)
-        if mix is None:
-            return 0.0
-        at, counts = mix
-        return counts.get(kind, 0.0) * math.exp(-(now - at) / LANE_WINDOW_S)
+    def _lane_step(self, iid: str, kind: str) -> int:
+        """The share of the other kind among the lane arrivals placed on ``iid`` lately (0
+        where none were), in LANE_BUCKETS steps: 0 for an instance of ``kind``'s lane."""
+        counts = self._lane_mix.get(iid)
+        if not counts:
+            return 0
+        own = counts.get(kind, 0.0)
+        other = counts.get("slack" if kind == "tight" else "tight", 0.0)
+        return min(int(LANE_BUCKETS * other / (own + other)), LANE_BUCKETS - 1)
+
+    def _lane_taken(self, instances: Sequence[PlanInstance]) -> float:
+        """The (forward-decayed) lane arrivals of either kind placed on ``instances``."""
+        mix_get = self._lane_mix.get
+        return sum(sum(mix_get(i.instance_id, {}).values()) for i in instances)
 
     def _note_lane(self, iid: str, kind: str, now: float) -> None:
-        at, counts = self._lane_mix.get(iid, (now, {}))
-        decay = math.exp(-(now - at) / LANE_WINDOW_S)
-        counts = {k: v * decay for k, v in counts.items()}
-        counts[kind] = counts.get(kind, 0.0) + 1.0
-        self._lane_mix[iid] = (now, counts)
+        if self._lane_t0 is None:
+            self._lane_t0 = now
+        weight = math.exp((now - self._lane_t0) / LANE_WINDOW_S)
+        if weight > LANE_RESCALE:  # scale every count back (a ratio does not change)
+            for counts in self._lane_mix.values():
+                for k in counts:
+                    counts[k] /= weight
+            self._lane_t0, weight = now, 1.0
+        counts = self._lane_mix.setdefault(iid, {})
+        counts[kind] = counts.get(kind, 0.0) + weight
 
     def _accrue(self, now: float, n_inst: int) -> None:
         """Decay the sure load to ``now`` and credit long shots with the capacity it leaves

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -410,20 +411,21 @@ def placed_by_class(
     gap_s: float = 1.0,
     pairs: int = 40,
     derived: bool = False,
+    instances: int = 2,
 ) -> list[tuple[str, str]]:
     """Two idle instances; interactive arrivals (12 s SLO, outputs N(400, ~290²): their
     decode at the length bound, ~820 tokens at ~9 ms, takes most of it) and batch arrivals
     (300 s) alternate, ``pairs`` of each, one pair every ``gap_s``, each dispatched at once
     (nothing queued): the (class, instance) of each placement. ``ttft``: the interactive
     requests carry a TTFT SLO instead; ``derived``: the batch requests are calls of task
-    chains (their deadlines derived from their tasks')."""
+    chains (their deadlines derived from their tasks'); ``instances`` idle instances."""
     pol = QLMPolicy(class_lanes=lanes)
     rng = np.random.default_rng(0)
     for cls in ("interactive", "batch"):
         for out in np.clip(rng.normal(400, 290, 512), 1, 1024):
             pol.estimator.lengths.observe("mistral-7b", cls, int(out))
-    fleet = [inst("i0"), inst("i1")]
-    idle = {"i0": 0.0, "i1": 0.0}
+    fleet = [inst(f"i{k}") for k in range(instances)]
+    idle = {i.instance_id: 0.0 for i in fleet}
     placed = []
     for k in range(pairs):
         at = NOW + k * gap_s
@@ -469,3 +471,16 @@ def test_class_lanes_leave_ttft_work_chain_calls_and_a_full_fleet_alone() -> Non
     assert ("batch", "i1") not in chains  # the chain calls have no lane: the soonest start
     busy = placed_by_class(lanes=True, gap_s=0.01, pairs=2000)
     assert busy == placed_by_class(lanes=False, gap_s=0.01, pairs=2000)
+
+
+def test_a_tight_lane_grows_by_instances_not_by_taking_everything() -> None:
+    """On eight instances the one with the least slack work would take every tight arrival
+    (the lane rule sorts by mix before start): a tight lane takes at most LANE_CROWD times
+    an instance's mean share of the arrivals, and then the next instance joins it. Slack
+    work keeps to the other instances."""
+    placed = placed_by_class(lanes=True, pairs=400, instances=8)[200:]  # lanes settled
+    tight = Counter(iid for cls, iid in placed if cls == "interactive")
+    slack = Counter(iid for cls, iid in placed if cls == "batch")
+    assert len(tight) >= 2
+    assert max(tight.values()) <= 1.3 * len(placed) / 8
+    assert not set(tight) & {iid for iid, n in slack.items() if n > 5}
