@@ -814,7 +814,9 @@ class QLMPolicy(QueuePolicy):
                 rank = (True, False, False, 0.0, primary, inst.running, iid)
             else:  # among the instances where it meets: the one whose mix suits it
                 late = kind == "slack" and start - now > LANE_WAIT * max(due - now, 0.0)
-                step = self._lane_step(iid, kind)
+                # an idle instance suits every kind: a lane whose kind stopped coming (a
+                # class no longer tight) must not keep its instances from other work
+                step = 0 if queued <= 0.0 and inst.running == 0 else self._lane_step(iid, kind)
                 crowded = crowd < math.inf and self._lane_taken((inst,)) > crowd
                 rank = (False, swap > 0.0, late, crowded, step, primary, inst.running, iid)
             if best is None or rank < best[0]:
