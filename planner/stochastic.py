@@ -127,7 +127,7 @@ LANE_BUCKETS = 4
 LANE_CROWD = 1.25
 LANE_WAIT = 0.5
 LANE_MAX_LOAD = 0.95
-LANE_RESCALE = 1e200  # the forward-decay weight at which the counts are scaled back
+LANE_RESCALE_AT = 460.0  # the forward-decay exponent (weight ~1e200) where counts scale back
 _SUITS = (False, False, False, 0)  # a lane rank's best (no switch, not late, not crowded, own lane)
 # the request-level EDF walk scans up to this many candidate instances of a model; more are
 # kept sorted by start (the same choice, found without computing every lane's start)
@@ -925,8 +925,9 @@ class QLMPolicy(QueuePolicy):
         # the decayed sums start from nothing: over the first minutes they hold only the
         # share 1 - exp(-t / LOAD_WINDOW_S) of a steady rate, so an overload would look like
         # spare capacity while it starts (and its first placements would set the lanes)
-        since = now if self._load_since is None else self._load_since
-        seen = 1.0 - math.exp(-max(now - since, 0.0) / LOAD_WINDOW_S)
+        if self._load_since is None:  # no long shots (nothing accrued): from the first one here
+            self._load_since = now
+        seen = 1.0 - math.exp(-max(now - self._load_since, 0.0) / LOAD_WINDOW_S)
         if load >= LANE_MAX_LOAD * len(eligible) * seen:
             return None
         return "slack" if ratio <= LANE_SLACK else "tight"
@@ -939,6 +940,8 @@ class QLMPolicy(QueuePolicy):
             return 0
         own = counts.get(kind, 0.0)
         other = counts.get("slack" if kind == "tight" else "tight", 0.0)
+        if own + other <= 0.0:  # counts scaled back to nothing (LANE_RESCALE_AT): none lately
+            return 0
         return min(int(LANE_BUCKETS * other / (own + other)), LANE_BUCKETS - 1)
 
     def _lane_taken(self, instances: Sequence[PlanInstance]) -> float:
@@ -949,12 +952,15 @@ class QLMPolicy(QueuePolicy):
     def _note_lane(self, iid: str, kind: str, now: float) -> None:
         if self._lane_t0 is None:
             self._lane_t0 = now
-        weight = math.exp((now - self._lane_t0) / LANE_WINDOW_S)
-        if weight > LANE_RESCALE:  # scale every count back (a ratio does not change)
+        exponent = (now - self._lane_t0) / LANE_WINDOW_S
+        if exponent > LANE_RESCALE_AT:  # scale every count back (a ratio does not change;
+            # after a long quiet spell the old counts may fall to 0.0: no lane work lately)
+            back = math.exp(-exponent)
             for counts in self._lane_mix.values():
                 for k in counts:
-                    counts[k] /= weight
-            self._lane_t0, weight = now, 1.0
+                    counts[k] *= back
+            self._lane_t0, exponent = now, 0.0
+        weight = math.exp(exponent)
         counts = self._lane_mix.setdefault(iid, {})
         counts[kind] = counts.get(kind, 0.0) + weight
 

@@ -14,6 +14,7 @@ from qlm.planner.stochastic import (
     ALIVE,
     FEASIBLE,
     HOPELESS,
+    LANE_BUCKETS,
     PENDING_MAX,
     TAIL,
     QLMPolicy,
@@ -540,3 +541,21 @@ def test_an_idle_instance_suits_every_lane() -> None:
     assert pol.place(batch, busy_slack, idle, at) == "i1"  # its lane, though busier
     idle_tight = [inst("i0", running=0), inst("i1", running=9)]
     assert pol.place(batch, idle_tight, idle, at + 1) == "i0"  # the idle instance
+
+
+def test_lane_counts_scaled_back_after_hours_keep_their_shares() -> None:
+    """The lane counts are forward-decayed (each arrival weighs exp(t / LANE_WINDOW_S)); past
+    LANE_RESCALE_AT every count is scaled back, without overflow however long the gap. Shares
+    survive that (an idle instance is taken care of in place()), and counts scaled back to
+    nothing read as no recent lane work rather than dividing by zero."""
+    pol = QLMPolicy(class_lanes=True)
+    pol._note_lane("i0", "tight", NOW)
+    pol._note_lane("i1", "slack", NOW)
+    assert pol._lane_step("i0", "slack") == LANE_BUCKETS - 1
+    hours = NOW + 12 * 3600.0  # exp(720) would overflow a float
+    pol._note_lane("i1", "tight", hours)
+    pol._note_lane("i1", "slack", hours)
+    assert pol._lane_step("i0", "slack") == LANE_BUCKETS - 1  # its share, scaled back
+    assert pol._lane_step("i1", "slack") == LANE_BUCKETS // 2
+    pol._note_lane("i1", "slack", hours + 24 * 3600.0)  # exp(-1440): i0's count is 0.0
+    assert pol._lane_step("i0", "slack") == 0
