@@ -476,6 +476,12 @@ class Coordinator:
             if hold_until is not None and hold_until <= now:
                 await self._reject(message, self._not_served(req.model, req.request_id), now, req)
                 return
+            # checked at its first admission only: a redelivery (perhaps adopted from an
+            # agent that runs it) or a request whose result is here is not refused now
+            too_long = None if redelivered else self._beyond_engine_context(req)
+            if too_long is not None and req.request_id not in self._orphans:
+                await self._reject(message, too_long, now, req)
+                return
         held = self.core.requests.get(req.request_id)
         previous = held.delivery if held is not None else None
         tracked, outcome = self.core.admit(
@@ -1145,6 +1151,37 @@ class Coordinator:
             {"model": model, "served": served},
         )
 
+    def _engine_context(self, model: str) -> int | None:
+        """The context every live engine serving ``model`` accepts (prompt + max_tokens): the
+        smallest any of them reports (vLLM's max_model_len), None when none reports one."""
+        reported = [
+            i.info.max_model_len[model]
+            for i in self.core.served_models().get(model, ())
+            if model in i.info.max_model_len
+        ]
+        return min(reported) if reported else None
+
+    def _beyond_engine_context(self, req: RequestMessage) -> InvalidRequest | None:
+        """``prompt_too_long`` for a request the catalog allows but the engines serving its
+        model would refuse (started with a shorter --max-model-len): said at admission, with
+        the limit, rather than as an ``engine_error`` from the engine it was sent to. The
+        limit is the one GET /v1/models lists, the smallest over the live engines, so an
+        admitted request fits wherever it is placed."""
+        limit = self._engine_context(req.model)
+        if limit is None:
+            return None
+        prompt_tokens = req.prompt_tokens()
+        if prompt_tokens + req.max_tokens <= limit:
+            return None
+        return InvalidRequest(
+            ErrorCode.PROMPT_TOO_LONG,
+            f"prompt ({prompt_tokens} tokens) + max_tokens ({req.max_tokens}) exceeds the "
+            f"context of the engines serving {req.model} ({limit}: the smallest --max-model-len "
+            "among them, as GET /v1/models lists it)",
+            req.request_id,
+            {"max_model_len": limit, "prompt_tokens": prompt_tokens, "max_tokens": req.max_tokens},
+        )
+
     def served_model_list(self) -> list[ServedModel]:
         """The catalog models live instances serve (a model an agent offers that the catalog
         lacks is refused `unknown_model`: left out), each with the context a request can
@@ -1156,14 +1193,10 @@ class Coordinator:
             if model not in self.catalog:
                 continue
             limit = self.catalog.get(model).max_context
-            reported = [
-                i.info.max_model_len[model] for i in instances if model in i.info.max_model_len
-            ]
-            served.append(
-                ServedModel(
-                    id=model, max_model_len=min([limit, *reported]), instances=len(instances)
-                )
-            )
+            engines = self._engine_context(model)
+            if engines is not None:
+                limit = min(limit, engines)
+            served.append(ServedModel(id=model, max_model_len=limit, instances=len(instances)))
         return served
 
     def _announce_models(self, now: float) -> None:

@@ -209,7 +209,10 @@ async def test_served_models_take_the_smallest_context_the_engines_report(
 ) -> None:
     """An http agent's server says its context (GET /v1/models): the announced
     max_model_len is the smallest over the live instances serving the model, never above the
-    catalog's max_context, and the catalog's again once that instance leaves."""
+    catalog's max_context, and the catalog's again once that instance leaves. A request beyond
+    it (within the catalog's) is refused `prompt_too_long` at admission, with the limit,
+    rather than sent to an engine that would refuse it; served once the limit is the
+    catalog's again."""
 
     watcher = ServedModelsWatcher(isolated_amqp_url)
     await watcher.start()
@@ -258,8 +261,34 @@ async def test_served_models_take_the_smallest_context_the_engines_report(
             # vicuna-13b: the catalog's 4096 (the server would take 100,000, the coordinator
             # refuses beyond 4096)
             await listed({"mistral-7b": (3000, 2), "vicuna-13b": (4096, 2)})
+            long_req = _req("long").model_copy(
+                update={"prompt_token_ids": [7] * 2990, "max_tokens": 20}
+            )
+            async with QlmClient(isolated_amqp_url) as client:
+                started = time.monotonic()
+                refused = await client.request(long_req, timeout=20)
+                assert time.monotonic() - started < 2.0  # said on arrival, not by an engine
+                assert isinstance(refused, ErrorMessage), refused
+                assert refused.code == ErrorCode.PROMPT_TOO_LONG
+                assert "(3000: the smallest --max-model-len" in refused.message
+                assert refused.details == {
+                    "max_model_len": 3000,
+                    "prompt_tokens": 2990,
+                    "max_tokens": 20,
+                }
+                # 3000 tokens in all fit
+                fits = long_req.model_copy(
+                    update={"request_id": "fits", "prompt_token_ids": [7] * 2980}
+                )
+                assert coord._beyond_engine_context(fits) is None
+            await coord.store.flush()
+            row = await coord.store.get_request("long")
+            assert row is not None and row["error_code"] == "prompt_too_long"
             await agents[1].stop()
             await listed({"mistral-7b": (8192, 1), "vicuna-13b": (4096, 2)})
+            async with QlmClient(isolated_amqp_url) as client:
+                again = long_req.model_copy(update={"request_id": "long-again"})
+                assert isinstance(await client.request(again, timeout=20), ResultMessage)
         finally:
             await watcher.close()
             await _stop(coord, agents[0], agents[2])
