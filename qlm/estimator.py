@@ -272,13 +272,25 @@ class _Sample:
             and _exact_sums(max(value, float(v[-1]) if len(v) else 0.0), len(v) + 1)
         ):
             self._exact = False
+        at = int(np.searchsorted(v, value, side="right"))
+        k = -1  # where the copy of ``drop`` that leaves is
         if drop is not None:
             k = int(np.searchsorted(v, drop, side="left"))
             if k < len(v) and v[k] == drop:
-                v = np.delete(v, k)
                 self._total -= drop
                 self._total2 -= drop * drop
-        self.values = np.insert(v, int(np.searchsorted(v, value, side="right")), value)
+            else:
+                k = -1
+        if k >= 0:  # a full window: the values between the two places move by one, in place
+            # (np.delete then np.insert, without their two new arrays: the same array after)
+            if at <= k:
+                v[at + 1 : k + 1] = v[at:k]
+                v[at] = value
+            else:
+                v[k : at - 1] = v[k + 1 : at]
+                v[at - 1] = value
+        else:
+            self.values = np.concatenate((v[:at], (value,), v[at:]))
         self._total += value
         self._total2 += value * value
         self._cum = self._cum2 = None

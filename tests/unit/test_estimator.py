@@ -187,6 +187,8 @@ def test_the_history_stays_sorted_without_resorting() -> None:
             for v in window:
                 fresh.observe("m", None, int(v))
             got, want = model.predict("m", None, caps), fresh.predict("m", None, caps)
+            # the window, sorted: the values moved in place equal a sort of the window
+            np.testing.assert_array_equal(model._samples[("m", None)].values, sorted(window))
             np.testing.assert_allclose(got[0], want[0])
             np.testing.assert_allclose(got[1], want[1], atol=1e-6)
     bound = model.upper_bound("m", None, caps, 0.9)
