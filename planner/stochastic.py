@@ -760,8 +760,10 @@ class QLMPolicy(QueuePolicy):
             self._lane_kind(request, eligible, out_bound, now) if self.config.class_lanes else None
         )
         crowd = math.inf
+        taken: dict[str, float] = {}  # tight work: each instance's lane arrivals, summed once
         if kind == "tight":
-            crowd = LANE_CROWD * self._lane_taken(eligible) / len(eligible)
+            taken = self._lane_taken(eligible)
+            crowd = LANE_CROWD * sum(taken.values()) / len(eligible)
         for inst in eligible:
             iid = inst.instance_id
             rate = None
@@ -817,7 +819,7 @@ class QLMPolicy(QueuePolicy):
                 # an idle instance suits every kind: a lane whose kind stopped coming (a
                 # class no longer tight) must not keep its instances from other work
                 step = 0 if queued <= 0.0 and inst.running == 0 else self._lane_step(iid, kind)
-                crowded = crowd < math.inf and self._lane_taken((inst,)) > crowd
+                crowded = crowd < math.inf and taken[iid] > crowd
                 rank = (False, swap > 0.0, late, crowded, step, primary, inst.running, iid)
             if best is None or rank < best[0]:
                 occ = request.prompt_tokens * rate.inv_prefill_tps + out_mean * rate.inv_tps
@@ -944,10 +946,10 @@ class QLMPolicy(QueuePolicy):
             return 0
         return min(int(LANE_BUCKETS * other / (own + other)), LANE_BUCKETS - 1)
 
-    def _lane_taken(self, instances: Sequence[PlanInstance]) -> float:
-        """The (forward-decayed) lane arrivals of either kind placed on ``instances``."""
+    def _lane_taken(self, instances: Sequence[PlanInstance]) -> dict[str, float]:
+        """The (forward-decayed) lane arrivals of either kind placed on each of ``instances``."""
         mix_get = self._lane_mix.get
-        return sum(sum(mix_get(i.instance_id, {}).values()) for i in instances)
+        return {i.instance_id: sum(mix_get(i.instance_id, {}).values()) for i in instances}
 
     def _note_lane(self, iid: str, kind: str, now: float) -> None:
         if self._lane_t0 is None:
