@@ -228,7 +228,9 @@ class QLMConfig:
     # one model load less each time, and arrivals of that model join the run meanwhile.
     # False keeps the candidates' runs as walked
     consolidate_runs: bool = True
-    # the sure work's load on an instance at the capped batch, at most (1: all of it)
+    # the sure work's load on an instance at the capped batch, at most (1: all of it), where
+    # the instance carries it uncapped: a cap may not tip it into an overload (in one
+    # already, cap_throughput_min alone bounds what a cap costs)
     cap_load_max: float = 1.0
     # The sure work's rate in the engines' measured occupancy: scaled by (instance-seconds of
     # queues that stayed busy between two plans) / (the priced occupancy of what their engines
@@ -2034,7 +2036,9 @@ class QLMPolicy(QueuePolicy):
         * its throughput at least ``cap_throughput_min`` of the full batch's (occupancy of a
           typical request of the served mix),
         * the sure work's arrival rate (the decayed sure load of place(), per instance) at
-          most ``cap_load_max`` of the capped instance, and
+          most ``cap_load_max`` of the capped instance, where it is at most that of the full
+          batch (a cap may not tip an instance that keeps up into an overload; in one
+          already, the throughput floor alone bounds what the cap costs), and
         * every kept request of its queue meeting its deadline at the capped speed."""
         caps: dict[int, int] = {}
         self._cap_lapse = {}
@@ -2106,8 +2110,11 @@ class QLMPolicy(QueuePolicy):
             for b in menu:
                 p = self._hw(inst, model, ctx, ratio, batch=b)
                 occ_b = ratio / p.prefill_tps + 1.0 / p.throughput_tps
-                if occ_full < floor * occ_b or per_instance * occ_b > (
-                    self.config.cap_load_max * occ_now
+                # a cap may not tip a fleet that carries its sure work into one that does
+                # not; in an overload already, the throughput floor alone bounds its cost
+                load_max = self.config.cap_load_max
+                if occ_full < floor * occ_b or (
+                    per_instance <= load_max and per_instance * occ_b > load_max * occ_now
                 ):
                     break
                 if len(kept):

@@ -8,7 +8,7 @@ import dataclasses
 from qlm.admission import PullAdmission
 from qlm.coordinator.core import CoordinatorCore, LSOSettings
 from qlm.planner import create_policy
-from qlm.planner.stochastic import CAP_HOLD_S, CAP_MIN, QLMPolicy
+from qlm.planner.stochastic import CAP_HOLD_S, CAP_MIN, LOAD_WINDOW_S, RECENT_S, QLMPolicy
 from qlm.policy import InstanceLSO, Plan, PlanInstance, PlanRequest
 from tests.builders import heartbeat
 
@@ -183,6 +183,28 @@ def test_the_cap_never_costs_more_throughput_than_allowed() -> None:
     assert loose is not None and tight is not None and loose < tight
     default = _cap(QLMPolicy(), reqs, [_inst()])
     assert default is None or default > tight
+
+
+def test_a_cap_never_tips_an_instance_into_an_overload_and_one_already_over_gets_it() -> None:
+    """The sure work's load (what place() saw arrive, in instances' worth) decides only where
+    the instance carries it uncapped: at 0.99 of its capacity the cap's lower throughput would
+    leave it behind, so none is set; above its capacity already (wb at 16 req/s) the throughput
+    floor alone bounds the cap, which is then the one an idle fleet gets."""
+
+    def cap_at(load: float) -> int | None:
+        pol = QLMPolicy(cap_throughput_min=FLOOR)
+        # the decayed sums of a steady sure rate of ``load`` instances (qlm place())
+        pol._sure_load = {LOAD_WINDOW_S: [load * LOAD_WINDOW_S] * 2 + [load * RECENT_S]}
+        assert abs(pol._sure_rate() - load) < 1e-9
+        reqs = [_req(f"chat{k}", 20.0, 400, seq=k) for k in range(4)]
+        reqs += [_req(f"batch{k}", 600.0, 200, seq=10 + k) for k in range(20)]
+        return _cap(pol, reqs, [_inst()])
+
+    idle = cap_at(0.0)
+    assert idle is not None
+    assert cap_at(0.5) == idle
+    assert cap_at(0.99) is None and cap_at(1.0) is None
+    assert cap_at(1.01) == idle and cap_at(3.0) == idle
 
 
 def test_the_planner_prices_an_instance_at_the_cap_its_agent_applies() -> None:
