@@ -2074,6 +2074,10 @@ class QLMPolicy(QueuePolicy):
             return caps
         per_instance = self._sure_rate() / n_live
         floor = self.config.cap_throughput_min
+        load_max = self.config.cap_load_max
+        # a cap may not tip an instance that carries its sure work into an overload; in one
+        # already, the throughput floor alone bounds what the cap costs
+        keeps_up = per_instance <= load_max
         for g, inst in enumerate(live):
             q = queues[g]
             model: str | None = inst.active_model
@@ -2110,11 +2114,8 @@ class QLMPolicy(QueuePolicy):
             for b in menu:
                 p = self._hw(inst, model, ctx, ratio, batch=b)
                 occ_b = ratio / p.prefill_tps + 1.0 / p.throughput_tps
-                # a cap may not tip a fleet that carries its sure work into one that does
-                # not; in an overload already, the throughput floor alone bounds its cost
-                load_max = self.config.cap_load_max
                 if occ_full < floor * occ_b or (
-                    per_instance <= load_max and per_instance * occ_b > load_max * occ_now
+                    keeps_up and per_instance * occ_b > load_max * occ_now
                 ):
                     break
                 if len(kept):
