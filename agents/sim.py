@@ -98,11 +98,15 @@ class SimEngine(EngineBackend):
         clock: Callable[[], float] = time.time,
         tp: int | None = None,
         profiles: dict[str, EngineProfile] | None = None,
+        max_model_len: int | None = None,
     ) -> None:
         """``profiles`` replaces the roofline profile of some models (e.g. measured ones);
         ``tp=None`` uses the largest TP degree any of the models needs, since the models share
         one GPU group. ``kv_capacity_tokens``, ``max_batch_size`` and the token budget per
-        iteration ``max_num_batched_tokens`` override every model's."""
+        iteration ``max_num_batched_tokens`` override every model's. ``max_model_len``: the
+        context (prompt + output tokens) the engine takes for every model, reported like
+        vLLM's --max-model-len and enforced as vLLM does (a request beyond it fails); None:
+        the model's own context, unreported."""
         if not models:
             raise ValueError("SimEngine needs at least one model")
         if time_scale <= 0:
@@ -115,6 +119,9 @@ class SimEngine(EngineBackend):
             raise ValueError("max_batch_size must be >= 1")
         if max_num_batched_tokens is not None and max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be >= 1")
+        if max_model_len is not None and max_model_len < 2:
+            raise ValueError("max_model_len must be >= 2")
+        self._max_model_len = max_model_len
         self._limits: dict[str, EngineLimits] = {}
         for m, p in self._profiles.items():
             # the cache holds whole blocks of KV_BLOCK_TOKENS, as vLLM's does
@@ -182,6 +189,12 @@ class SimEngine(EngineBackend):
     @property
     def max_num_batched_tokens(self) -> int | None:
         return self._engine.limits.max_num_batched_tokens
+
+    @property
+    def max_model_len(self) -> Mapping[str, int]:
+        if self._max_model_len is None:
+            return {}
+        return {m: min(self._max_model_len, p.model.max_context) for m, p in self._profiles.items()}
 
     @property
     def preemptions_total(self) -> int:
@@ -471,6 +484,11 @@ class SimEngine(EngineBackend):
         max_context = self._profiles[request.model].model.max_context
         if total > max_context:
             return f"prompt + max_tokens = {total} exceeds the model's context of {max_context}"
+        if self._max_model_len is not None and total > self._max_model_len:
+            return (
+                f"prompt + max_tokens = {total} exceeds the engine's context "
+                f"(max_model_len) of {self._max_model_len}"
+            )
         # A request's KV peaks at prompt + max_tokens - 1 tokens (the last token is never fed).
         capacity = self._limits[request.model].kv_capacity_tokens
         if total - 1 > capacity:

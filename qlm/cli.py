@@ -309,7 +309,16 @@ def agent(
         list[str] | None,
         typer.Option(help="vllm: NAME=DIR, a local model directory per model (repeat)"),
     ] = None,
-    max_model_len: Annotated[int, typer.Option(help="vllm: context length")] = 2048,
+    max_model_len: Annotated[
+        int | None,
+        typer.Option(
+            help="the engine's context, prompt + output tokens (vllm: --max-model-len, default "
+            "2048; sim: enforced and reported as vLLM does, default the model's own, "
+            "unreported; http: the server's). Engines of one model may differ: a request goes "
+            "only to one that takes it (docs/gateway.md, 'Models')",
+            min=2,
+        ),
+    ] = None,
     max_num_seqs: Annotated[int, typer.Option(help="vllm: engine batch cap")] = 64,
     max_num_batched_tokens: Annotated[
         int | None,
@@ -412,8 +421,9 @@ def agent(
         model_paths=paths,
         pull_at_most=pull_at_most,
         max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=max_model_len,
         vllm_options={
-            "max_model_len": max_model_len,
+            **({} if max_model_len is None else {"max_model_len": max_model_len}),
             "max_num_seqs": max_num_seqs,
             "max_num_batched_tokens": max_num_batched_tokens,
             "kv_cache_memory_bytes": None if kv_cache_mb is None else kv_cache_mb * 2**20,
@@ -470,16 +480,20 @@ def _make_engines(
     servers: list[str] | None = None,
     pull_at_most: int | None = None,
     max_num_batched_tokens: int | None = None,
+    max_model_len: int | None = None,
 ) -> list[Any]:
     from qlm.engine_scheduler import WANTS_AT_MOST
 
     pull_at_most = pull_at_most or WANTS_AT_MOST
     if backend == "http":  # the servers say which models: --models and --gpus do not apply
-        if max_num_batched_tokens is not None:
-            raise typer.BadParameter(
-                "--max-num-batched-tokens is the server's setting with --backend http "
-                "(vllm serve --max-num-batched-tokens)"
-            )
+        for flag, value in (
+            ("--max-num-batched-tokens", max_num_batched_tokens),
+            ("--max-model-len", max_model_len),
+        ):
+            if value is not None:
+                raise typer.BadParameter(
+                    f"{flag} is the server's setting with --backend http (vllm serve {flag})"
+                )
         from qlm.agents.http import HttpSettings, make_http_engines
 
         try:
@@ -514,6 +528,7 @@ def _make_engines(
                     seed=seed + i,
                     pull_at_most=pull_at_most,
                     max_num_batched_tokens=max_num_batched_tokens,
+                    max_model_len=max_model_len,
                 )
                 for i in range(gpus)
             ]

@@ -222,8 +222,9 @@ to_coordinator_adapter: TypeAdapter[ToCoordinator] = TypeAdapter(ToCoordinator)
 
 class ServedModel(_Msg):
     id: str
-    # prompt + output tokens a request may have: the smallest of the catalog's max_context and
-    # what the live engines serving it report (InstanceInfo.max_model_len)
+    # prompt + output tokens a request may have: the smaller of the catalog's max_context and
+    # the most a live engine serving it takes (InstanceInfo.max_model_len; the coordinator
+    # places a request only on an engine that takes it)
     max_model_len: int
     instances: int  # live instances serving it
 

@@ -66,6 +66,7 @@ def heartbeat(
     models: tuple[str, ...] = ("mistral-7b",),
     at: float = 0.0,
     in_flight: tuple[str, ...] = (),
+    max_model_len: dict[str, int] | None = None,
 ) -> Heartbeat:
     return Heartbeat(
         agent_id=agent_id,
@@ -82,6 +83,7 @@ def heartbeat(
                     models=list(models),
                     kv_capacity_tokens=100_000,
                     max_batch_size=256,
+                    max_model_len=dict(max_model_len or {}),
                 ),
             )
             for i in range(n)

@@ -54,6 +54,10 @@ MAX_UNTRACKED_STREAMS = 4096
 # as they come
 MIN_QUEUED_PER_INSTANCE = 2
 
+# held requests one release passes over because the instance's engine has too short a context
+# for them, at most (they stay held; the next heartbeat's release looks again)
+HELD_SCAN_MAX = 64
+
 
 class TrackState(StrEnum):
     HELD = "held"  # batch tier: waits for spare capacity or its promotion time
@@ -390,6 +394,9 @@ class CoordinatorCore:
         self.requests: dict[str, TrackedRequest] = {}
         self.instances: dict[str, InstanceState] = {}
         self._live_cache: list[InstanceState] | None = None
+        # instances whose engine reported a context (max_model_len) for some model: only
+        # with one of them live does placement check each request's context
+        self._context_limited: set[str] = set()
         self._load_view = _QueuedLoad([])
         self._queued = QueueTally()  # requests in every instance's virtual queue
         self.unassigned: list[str] = []
@@ -648,16 +655,28 @@ class CoordinatorCore:
         self.held_count += 1
         return True
 
-    def _take_held(self, model: str, limit: int) -> list[TrackedRequest]:
-        """Up to ``limit`` held requests of ``model``, the earliest promotion first."""
+    def _take_held(
+        self, model: str, limit: int, into: InstanceState | None = None
+    ) -> list[TrackedRequest]:
+        """Up to ``limit`` held requests of ``model``, the earliest promotion first; with
+        ``into``, only those its engine's context takes (the others stay held)."""
         heap = self.held.get(model)
         out: list[TrackedRequest] = []
+        kept: list[tuple[float, int, str]] = []
         while heap and len(out) < limit:
-            _, _, rid = heapq.heappop(heap)
-            tracked = self.requests.get(rid)
-            if tracked is not None and tracked.state == TrackState.HELD:
-                self.held_count -= 1
-                out.append(tracked)
+            entry = heapq.heappop(heap)
+            tracked = self.requests.get(entry[2])
+            if tracked is None or tracked.state != TrackState.HELD:
+                continue
+            if into is not None and not self._fits(into, tracked.plan_view):
+                kept.append(entry)
+                if len(kept) >= HELD_SCAN_MAX:
+                    break  # a beat's release looks no further: the next beat's may
+                continue
+            self.held_count -= 1
+            out.append(tracked)
+        for entry in kept:  # popped from it: the heap is there
+            heapq.heappush(self.held[model], entry)
         return out
 
     def _release_to(self, inst: InstanceState) -> int:
@@ -674,7 +693,7 @@ class CoordinatorCore:
         released = 0
         models = [m for m in [status.active_model] if m] + inst.info.models
         for model in dict.fromkeys(models):
-            for tracked in self._take_held(model, want - released):
+            for tracked in self._take_held(model, want - released, into=inst):
                 tracked.state = TrackState.QUEUED
                 inst.queue.insert(tracked.request_id, self.policy.sort_key(tracked.plan_view))
                 inst.queued_tokens += self.policy.work_tokens(tracked.plan_view)
@@ -734,11 +753,19 @@ class CoordinatorCore:
     def _instances_changed(self) -> None:
         self._live_cache = None
 
+    @staticmethod
+    def _fits(inst: InstanceState, view: PlanRequest) -> bool:
+        """Whether the engine of ``inst`` takes ``view``'s context (prompt + max_tokens, the
+        same sum after a resume): within the max_model_len it reports for the model. One it
+        says nothing of takes what the catalog allows, which admission checked."""
+        limit = inst.info.max_model_len.get(view.model)
+        return limit is None or view.prompt_tokens + view.max_tokens <= limit
+
     def _place(self, tracked: TrackedRequest, now: float) -> None:
         if self.planning:  # the policy is a plan's, elsewhere: adopt_plan places it
             tracked.state = TrackState.QUEUED
             tracked.dispatch_id = None
-            free = self._free_slot(tracked.request.model)
+            free = self._free_slot(tracked.plan_view)
             if free is not None:
                 # it would start at once wherever the policy put it: it goes there now (the
                 # next pump dispatches it) rather than wait out the plan; the plan never held
@@ -753,10 +780,16 @@ class CoordinatorCore:
             self.unassigned.append(tracked.request_id)
             self.plan_arrivals["waited"] += 1
             return
-        live = self._live()
-        target = self.policy.place(
-            tracked.plan_view, [i.plan_view() for i in live], self._load_view, now
+        view = tracked.plan_view
+        # engines of one model may differ in context (--max-model-len): the policy chooses
+        # among those that take this request, so every policy places by context alike
+        live, fits = self._live(), self._fits
+        views = (
+            [i.plan_view() for i in live if fits(i, view)]
+            if self._context_limited
+            else [i.plan_view() for i in live]
         )
+        target = self.policy.place(view, views, self._load_view, now)
         tracked.state = TrackState.QUEUED
         tracked.dispatch_id = None
         if target is None:
@@ -768,14 +801,18 @@ class CoordinatorCore:
         inst.queued_tokens += self.policy.work_tokens(tracked.plan_view)
         tracked.instance_id = target
 
-    def _free_slot(self, model: str) -> InstanceState | None:
-        """An alive instance running ``model`` with a free batch slot (counting everything
-        dispatched to it and not finished, and its batch cap), credit its agent granted, and
-        nothing queued for it: a request sent there starts now. The least busy one, if any."""
+    def _free_slot(self, view: PlanRequest) -> InstanceState | None:
+        """An alive instance running ``view``'s model, taking its context, with a free batch
+        slot (counting everything dispatched to it and not finished, and its batch cap),
+        credit its agent granted, and nothing queued for it: a request sent there starts now.
+        The least busy one, if any."""
         best: InstanceState | None = None
+        model = view.model
         for inst in self._live():
             st = inst.last_status
             if inst.credit <= 0 or len(inst.queue) or st is None or st.active_model != model:
+                continue
+            if not self._fits(inst, view):
                 continue
             if st.waiting:  # the engine's own queue holds work (as of its last heartbeat)
                 continue
@@ -845,6 +882,10 @@ class CoordinatorCore:
             if hb.incarnation is not None:
                 inst.incarnation = hb.incarnation
             inst.info = status.info
+            if status.info.max_model_len:
+                self._context_limited.add(iid)
+            else:
+                self._context_limited.discard(iid)
             inst.last_seen = now
             inst.last_status = status
             if status.engine_ok == inst.engine_down:
@@ -1014,6 +1055,7 @@ class CoordinatorCore:
         only), in virtual-queue order; the policy may move a head whose key went stale since
         its plan (:meth:`QueuePolicy.stale_key`) before it leaves."""
         orders: list[DispatchOrder] = []
+        misfits: list[TrackedRequest] = []
         if instance_id is None:
             instances: Iterable[InstanceState] = self.instances.values()
         else:
@@ -1027,6 +1069,10 @@ class CoordinatorCore:
                 rid = inst.queue.pop(restale)
                 tracked = self.requests[rid]
                 inst.queued_tokens -= self.policy.work_tokens(tracked.plan_view)
+                if not self._fits(inst, tracked.plan_view):
+                    # its engine came back with a shorter context than it was placed for
+                    misfits.append(tracked)
+                    continue
                 if tracked.streamed is not None:
                     # chunks of a lost attempt may have come in since it was requeued
                     self._resume_from_stream(tracked, now)
@@ -1047,6 +1093,8 @@ class CoordinatorCore:
                         counted_on=inst,
                     )
                 )
+        for tracked in misfits:
+            self._place(tracked, now)
         return orders
 
     def _restale(self, instance_id: str, now: float) -> Restale | None:
@@ -1606,9 +1654,10 @@ class CoordinatorCore:
                 continue
             entries = []
             for rid in ids:
-                tracked = waiting.pop(rid, None)
-                if tracked is None:
-                    continue
+                tracked = waiting.get(rid)
+                if tracked is None or not self._fits(target, tracked.plan_view):
+                    continue  # one beyond this engine's context is placed again, below
+                del waiting[rid]
                 tracked.instance_id = iid
                 entries.append((rid, self.policy.sort_key(tracked.plan_view)))
                 target.queued_tokens += self.policy.work_tokens(tracked.plan_view)

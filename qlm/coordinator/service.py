@@ -1152,21 +1152,24 @@ class Coordinator:
         )
 
     def _engine_context(self, model: str) -> int | None:
-        """The context every live engine serving ``model`` accepts (prompt + max_tokens): the
-        smallest any of them reports (vLLM's max_model_len), None when none reports one."""
-        reported = [
-            i.info.max_model_len[model]
-            for i in self.core.served_models().get(model, ())
-            if model in i.info.max_model_len
-        ]
-        return min(reported) if reported else None
+        """The most context (prompt + max_tokens) a live engine serving ``model`` takes: the
+        largest max_model_len they report (vLLM's). None where one reports none (it takes
+        what the catalog allows, which stands alone then) or none serves the model. Engines
+        of one model may differ (--max-model-len per pool): the core places a request only
+        where it fits (``CoordinatorCore._fits``), so it is refused only where none would."""
+        reported = []
+        for inst in self.core.served_models().get(model, ()):
+            limit = inst.info.max_model_len.get(model)
+            if limit is None:
+                return None
+            reported.append(limit)
+        return max(reported) if reported else None
 
     def _beyond_engine_context(self, req: RequestMessage) -> InvalidRequest | None:
-        """``prompt_too_long`` for a request the catalog allows but the engines serving its
-        model would refuse (started with a shorter --max-model-len): said at admission, with
-        the limit, rather than as an ``engine_error`` from the engine it was sent to. The
-        limit is the one GET /v1/models lists, the smallest over the live engines, so an
-        admitted request fits wherever it is placed."""
+        """``prompt_too_long`` for a request the catalog allows but no live engine serving
+        its model would take (all started with a shorter --max-model-len): said at
+        admission, with the limit, rather than as an ``engine_error`` from an engine. The
+        limit is the one GET /v1/models lists, the largest over the live engines."""
         limit = self._engine_context(req.model)
         if limit is None:
             return None
@@ -1176,18 +1179,19 @@ class Coordinator:
         return InvalidRequest(
             ErrorCode.PROMPT_TOO_LONG,
             f"prompt ({prompt_tokens} tokens) + max_tokens ({req.max_tokens}) exceeds the "
-            f"context of the engines serving {req.model} ({limit}: the smallest --max-model-len "
-            "among them, as GET /v1/models lists it)",
+            f"context of every engine serving {req.model} ({limit}: the largest "
+            "--max-model-len among them, as GET /v1/models lists it)",
             req.request_id,
             {"max_model_len": limit, "prompt_tokens": prompt_tokens, "max_tokens": req.max_tokens},
         )
 
     def served_model_list(self) -> list[ServedModel]:
         """The catalog models live instances serve (a model an agent offers that the catalog
-        lacks is refused `unknown_model`: left out), each with the context a request can
-        count on: the smallest any live instance's engine reports for it (an engine started
-        with a shorter --max-model-len refuses what the catalog allows), never more than the
-        catalog's max_context (the coordinator refuses beyond that, whatever the engines)."""
+        lacks is refused `unknown_model`: left out), each with the most context a request can
+        use: the largest any live instance's engine takes (engines started with a shorter
+        --max-model-len take less; a longer request goes to one that takes it), never more
+        than the catalog's max_context (the coordinator refuses beyond that, whatever the
+        engines)."""
         served = []
         for model, instances in sorted(self.core.served_models().items()):
             if model not in self.catalog:

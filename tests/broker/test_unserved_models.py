@@ -204,33 +204,29 @@ async def test_served_models_are_announced_to_gateways(
         await _stop(coord, b)
 
 
-async def test_served_models_take_the_smallest_context_the_engines_report(
+async def test_a_request_goes_to_an_engine_whose_context_takes_it_or_is_refused(
     isolated_amqp_url: str, tmp_path: Path
 ) -> None:
-    """An http agent's server says its context (GET /v1/models): the announced
-    max_model_len is the smallest over the live instances serving the model, never above the
-    catalog's max_context, and the catalog's again once that instance leaves. A request beyond
-    it (within the catalog's) is refused `prompt_too_long` at admission, with the limit,
-    rather than sent to an engine that would refuse it; served once the limit is the
-    catalog's again."""
+    """Engines of one model started with different contexts (sim agents run with
+    --max-model-len 3000 and 5000; an http agent whose server says 100,000 for another model):
+    the announced max_model_len is the largest they take, never above the catalog's
+    max_context; requests between the two contexts are served, each by the engine that takes
+    it and never first sent to the other (which would fail it); one beyond every engine's is
+    refused `prompt_too_long` at admission, with the limit, rather than sent to an engine that
+    would refuse it. When the longer engine leaves, the limit is the shorter one's."""
 
     watcher = ServedModelsWatcher(isolated_amqp_url)
     await watcher.start()
     coord = await _coordinator(isolated_amqp_url, tmp_path, hold=0.0, grace=0.2)
-    sim = _agent(isolated_amqp_url, "ml-sim", ["mistral-7b", "vicuna-13b"])
-    with (
-        models_server([{"id": "mistral-7b", "max_model_len": 3000}]) as short,
-        models_server([{"id": "vicuna-13b", "max_model_len": 100_000}]) as long,
-    ):
+
+    def sim(aid: str, models: list[str], context: int) -> Agent:
+        engine = SimEngine("A100-80GB", models, time_scale=200.0, seed=1, max_model_len=context)
+        return Agent(isolated_amqp_url, [engine], agent_id=aid, heartbeat_interval_s=0.1)
+
+    with models_server([{"id": "vicuna-13b", "max_model_len": 100_000}]) as long:
         agents = [
-            sim,
-            Agent(
-                isolated_amqp_url,
-                [HttpEngine("mistral-7b", short, HttpSettings(start_timeout_s=5))],
-                agent_id="ml-short",
-                engine_name="http",
-                heartbeat_interval_s=0.1,
-            ),
+            sim("ml-sim", ["mistral-7b", "vicuna-13b"], 5000),
+            sim("ml-short", ["mistral-7b"], 3000),
             Agent(
                 isolated_amqp_url,
                 [HttpEngine("vicuna-13b", long, HttpSettings(start_timeout_s=5))],
@@ -257,41 +253,64 @@ async def test_served_models_take_the_smallest_context_the_engines_report(
                     assert time.monotonic() < deadline, got
                     await asyncio.sleep(0.05)
 
-            # mistral-7b: the short server's 3000 (catalog 8192, the sim says nothing);
-            # vicuna-13b: the catalog's 4096 (the server would take 100,000, the coordinator
-            # refuses beyond 4096)
-            await listed({"mistral-7b": (3000, 2), "vicuna-13b": (4096, 2)})
-            long_req = _req("long").model_copy(
+            # mistral-7b: ml-sim's 5000 (ml-short takes 3000, the catalog 8192); vicuna-13b:
+            # the catalog's 4096 (ml-sim takes its own 4096, the server would take 100,000,
+            # the coordinator refuses beyond 4096)
+            await listed({"mistral-7b": (5000, 2), "vicuna-13b": (4096, 2)})
+            between = _req("between").model_copy(
                 update={"prompt_token_ids": [7] * 2990, "max_tokens": 20}
             )
+            beyond = between.model_copy(
+                update={"request_id": "beyond", "prompt_token_ids": [7] * 4990}
+            )
             async with QlmClient(isolated_amqp_url) as client:
+                # 3010 tokens: beyond ml-short (its engine would fail them), within ml-sim's
+                # 5000; several at once, which a load balance would spread over both
+                done = await asyncio.gather(
+                    *(
+                        client.request(
+                            between.model_copy(update={"request_id": f"between-{k}"}), timeout=20
+                        )
+                        for k in range(6)
+                    )
+                )
+                for reply in done:
+                    assert isinstance(reply, ResultMessage), reply
+                    assert reply.instance_id.startswith("ml-sim"), reply.instance_id
+                # and only there: never sent first to ml-short
+                await coord.store.flush()
+                for k in range(6):
+                    row = await coord.store.get_request(f"between-{k}")
+                    assert row is not None and row["attempts"] == 1, row
                 started = time.monotonic()
-                refused = await client.request(long_req, timeout=20)
+                refused = await client.request(beyond, timeout=20)
                 assert time.monotonic() - started < 2.0  # said on arrival, not by an engine
                 assert isinstance(refused, ErrorMessage), refused
                 assert refused.code == ErrorCode.PROMPT_TOO_LONG
-                assert "(3000: the smallest --max-model-len" in refused.message
+                assert "(5000: the largest --max-model-len" in refused.message
                 assert refused.details == {
-                    "max_model_len": 3000,
-                    "prompt_tokens": 2990,
+                    "max_model_len": 5000,
+                    "prompt_tokens": 4990,
                     "max_tokens": 20,
                 }
-                # 3000 tokens in all fit
-                fits = long_req.model_copy(
-                    update={"request_id": "fits", "prompt_token_ids": [7] * 2980}
-                )
-                assert coord._beyond_engine_context(fits) is None
-            await coord.store.flush()
-            row = await coord.store.get_request("long")
+            # recorded after the error reply's confirm and the ack: it may trail the reply
+            deadline = time.monotonic() + 10
+            while True:
+                await coord.store.flush()
+                row = await coord.store.get_request("beyond")
+                if row is not None or time.monotonic() > deadline:
+                    break
+                await asyncio.sleep(0.05)
             assert row is not None and row["error_code"] == "prompt_too_long"
-            await agents[1].stop()
-            await listed({"mistral-7b": (8192, 1), "vicuna-13b": (4096, 2)})
-            async with QlmClient(isolated_amqp_url) as client:
-                again = long_req.model_copy(update={"request_id": "long-again"})
-                assert isinstance(await client.request(again, timeout=20), ResultMessage)
+            await agents[0].stop()  # the longer engine leaves: ml-short's 3000
+            await listed({"mistral-7b": (3000, 1), "vicuna-13b": (4096, 1)})
+            again = between.model_copy(update={"request_id": "between-again"})
+            assert coord._beyond_engine_context(again) is not None
+            fits = between.model_copy(update={"request_id": "fits", "prompt_token_ids": [7] * 2980})
+            assert coord._beyond_engine_context(fits) is None  # 3000 tokens in all fit
         finally:
             await watcher.close()
-            await _stop(coord, agents[0], agents[2])
+            await _stop(coord, agents[1], agents[2])
 
 
 async def test_gateway_without_a_coordinator_answers_503_on_models(

@@ -88,3 +88,26 @@ def test_the_http_backend_leaves_the_engine_budget_to_the_server() -> None:
     )
     assert result.exit_code == 2
     assert "the server's setting with --backend http" in " ".join(result.output.split())
+
+
+def test_a_sim_engine_takes_the_context_it_is_given_and_says_so(
+    agent_runs: list[tuple[Any, ...]],
+) -> None:
+    """--max-model-len with the sim backend: reported like vLLM's (per model, never above
+    the model's own context) and enforced; without it, the model's own and unreported."""
+    args = ["agent", "--backend", "sim", "--models", "mistral-7b,vicuna-13b"]
+    result = CliRunner().invoke(app, [*args, "--max-model-len", "3000"])
+    assert result.exit_code == 0, result.output
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    given, default = (run[2][0] for run in agent_runs)
+    # vicuna-13b's own context is 4096 (the catalog's): 3000 is below both
+    assert dict(given.max_model_len) == {"mistral-7b": 3000, "vicuna-13b": 3000}
+    assert dict(default.max_model_len) == {}
+
+
+def test_the_http_backend_leaves_the_context_to_the_server() -> None:
+    args = ["agent", "--backend", "http", "--server", "m=http://127.0.0.1:9"]
+    result = CliRunner().invoke(app, [*args, "--max-model-len", "4096"], env={"COLUMNS": "200"})
+    assert result.exit_code == 2
+    assert "--max-model-len is the server's setting" in " ".join(result.output.split())

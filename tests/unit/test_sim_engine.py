@@ -335,6 +335,21 @@ async def test_invalid_requests_fail_without_stopping_the_engine() -> None:
     check_output(outputs.by_id["fine"], 5)
 
 
+async def test_an_engine_context_is_reported_and_enforced_as_vllm_does() -> None:
+    """``max_model_len`` (qlm agent --max-model-len): what the engine says it takes, and a
+    request beyond it fails at submission; the engine goes on serving."""
+    engine = SimEngine("A10", ["tiny-llama"], time_scale=5.0, max_model_len=200)
+    assert dict(engine.max_model_len) == {"tiny-llama": 200}
+    async with running(engine) as outputs:
+        engine.submit(request("beyond", prompt=195, max_tokens=10))
+        engine.submit(request("within", prompt=190, max_tokens=10))
+        await outputs.wait_for(2)
+    assert "max_model_len) of 200" in (outputs.by_id["beyond"].error or "")
+    check_output(outputs.by_id["within"], 10)
+    with pytest.raises(ValueError, match="max_model_len"):
+        SimEngine("A10", ["tiny-llama"], max_model_len=1)
+
+
 class FaultyEngine(SimEngine):
     """Fault injection: the engine fails while sampling for one request."""
 
