@@ -4,6 +4,8 @@ Each ``/v1/completions`` or ``/v1/chat/completions`` call becomes one qlm ``Requ
 published to ``qlm.ingress``; its one reply becomes the OpenAI response. See docs/gateway.md.
 
 ``qlm.gateway.app`` holds the server (``serve_gateway``, ``create_gateway_app``,
-``GatewayClient``, ``ApiKeys``, ``GatewaySettings``); ``qlm.gateway.command`` the CLI command.
+``GatewayClient``, ``GatewaySettings``); ``qlm.gateway.keys`` the API keys (``ApiKeys``, and
+``ApiKeysWatch``, which rotates them from the key file); ``qlm.gateway.command`` the CLI
+command.
 Nothing is imported here, so that registering the command keeps ``qlm --help`` fast.
 """

@@ -17,10 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
-import hmac
 import json
-import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
@@ -39,6 +36,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from qlm.admin import AdminServer, serve_admin
 from qlm.catalog import ModelCatalog, ModelSpec, UnknownModelError
 from qlm.client import MalformedReply, QlmClient, Reply, StreamError, StreamPiece, TokenStream
+from qlm.gateway.keys import ApiKeys, ApiKeysWatch
 from qlm.gateway.openai_types import (
     SERVICE_TIER_CLASSES,
     ChatChoice,
@@ -74,9 +72,6 @@ if TYPE_CHECKING:  # imports this module: loaded lazily below
 
 log = structlog.get_logger(__name__)
 
-# RFC 6750 b64token, as the admin API requires of its tokens: every configured key can be sent.
-_B64TOKEN = re.compile(r"[A-Za-z0-9\-._~+/]+=*")
-_MIN_KEY_CHARS = 16
 _CHALLENGE = 'Bearer realm="qlm-gateway"'
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 # How long /v1/models waits for the coordinator's first list of served models (it sends one
@@ -99,6 +94,10 @@ class GatewaySettings(BaseSettings):
     api_keys: SecretStr | None = None
     # A JSON file of the same shape (merged with api_keys; a key in both must agree).
     api_keys_file: Path | None = None
+    # How often (seconds) the key file is read again for a change (keys rotated without a
+    # restart; SIGHUP reads it at once); 0: only on SIGHUP. A file that does not hold valid
+    # keys leaves the keys in use.
+    api_keys_reload_s: float = Field(default=5.0, ge=0)
     # SLO of a call that names none (x-qlm-slo-ms / qlm_slo_ms), end to end, in ms.
     default_slo_ms: int = Field(default=60_000, gt=0)
     # Optional TTFT deadline of a call that names no SLO at all.
@@ -123,65 +122,6 @@ class GatewaySettings(BaseSettings):
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("QLM_GATEWAY_TLS_CERT and QLM_GATEWAY_TLS_KEY go together: set both")
         return self
-
-
-class ApiKeys:
-    """API key → tenant. Keys are kept only as SHA-256 digests and every lookup compares the
-    digest of the presented key with *all* of them in constant time, so neither a key's
-    content nor its position in the table leaks through response timing."""
-
-    def __init__(self, keys: Mapping[str, str]) -> None:
-        if not keys:
-            raise ValueError("no API keys configured (QLM_GATEWAY_API_KEYS or _API_KEYS_FILE)")
-        entries: list[tuple[bytes, str]] = []
-        for n, (key, tenant) in enumerate(keys.items()):
-            # The error names the entry by position: the key itself must never be printed.
-            if not isinstance(key, str) or not _B64TOKEN.fullmatch(key):
-                raise ValueError(f"API key #{n + 1} has characters a bearer token cannot carry")
-            if len(key) < _MIN_KEY_CHARS:
-                raise ValueError(f"API key #{n + 1} is shorter than {_MIN_KEY_CHARS} characters")
-            if not isinstance(tenant, str) or len(tenant) > 128:
-                raise ValueError(f"the tenant of API key #{n + 1} must be a string ≤ 128 chars")
-            entries.append((hashlib.sha256(key.encode()).digest(), tenant))
-        self._entries = entries
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def tenant_for(self, presented: str) -> str | None:
-        """The tenant of ``presented``, or None when it is no configured key."""
-        digest = hashlib.sha256(presented.encode("utf-8", "surrogatepass")).digest()
-        found: str | None = None
-        for key_digest, tenant in self._entries:  # no early exit: constant work per lookup
-            if hmac.compare_digest(digest, key_digest):
-                found = tenant
-        return found
-
-    @classmethod
-    def from_settings(cls, settings: GatewaySettings) -> ApiKeys:
-        keys: dict[str, str] = {}
-        sources: list[tuple[str, str]] = []
-        if settings.api_keys is not None:
-            sources.append(("QLM_GATEWAY_API_KEYS", settings.api_keys.get_secret_value()))
-        if settings.api_keys_file is not None:
-            try:
-                text = settings.api_keys_file.read_text()
-            except OSError as exc:
-                raise ValueError(f"QLM_GATEWAY_API_KEYS_FILE: {exc.strerror}") from None
-            sources.append(("QLM_GATEWAY_API_KEYS_FILE", text))
-        for name, text in sources:
-            try:
-                loaded = json.loads(text)
-            except json.JSONDecodeError as exc:
-                # Position only: the message would quote the (secret) text.
-                raise ValueError(f"{name}: not JSON (line {exc.lineno})") from None
-            if not isinstance(loaded, dict):
-                raise ValueError(f"{name}: must be a JSON object of API key -> tenant")
-            for key, tenant in loaded.items():
-                if key in keys and keys[key] != tenant:
-                    raise ValueError(f"{name}: a key is mapped to two different tenants")
-                keys[key] = tenant
-        return cls(keys)
 
 
 # --- the long-lived qlm client ----------------------------------------------------------------
@@ -1009,12 +949,29 @@ class GatewayServer:
     client: GatewayClient
     served: ServedModelsWatcher | None = None
     batches: BatchApi | None = None
+    keys_watch: ApiKeysWatch | None = None  # with QLM_GATEWAY_API_KEYS_FILE
+    _keys_task: asyncio.Task[None] | None = None
 
     @property
     def url(self) -> str:
         return f"http://{self.http.host}:{self.http.port}"
 
+    def watch_keys(self, interval_s: float) -> None:
+        """Read the key file again every ``interval_s`` seconds (0: only on reload_keys)."""
+        if self.keys_watch is not None and interval_s > 0 and self._keys_task is None:
+            self._keys_task = asyncio.create_task(
+                self.keys_watch.run(interval_s), name="gateway-api-keys-watch"
+            )
+
+    def reload_keys(self) -> bool:
+        """Read the key file now (SIGHUP); whether the keys in use changed."""
+        return self.keys_watch is not None and self.keys_watch.check()
+
     async def stop(self) -> None:
+        if self._keys_task is not None:
+            self._keys_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._keys_task
         await self.http.stop()
         await self.client.close()
         if self.served is not None:
@@ -1065,4 +1022,7 @@ async def serve_gateway(
             await batches.close()
         raise
     log.info("gateway_listening", host=http.host, port=http.port, api_keys=len(keys))
-    return GatewayServer(http, client, served, batches)
+    watch = ApiKeysWatch(keys, s) if s.api_keys_file is not None else None
+    server = GatewayServer(http, client, served, batches, keys_watch=watch)
+    server.watch_keys(s.api_keys_reload_s)
+    return server

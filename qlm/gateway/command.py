@@ -48,7 +48,8 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models) onto
         the durable queue. API keys: QLM_GATEWAY_API_KEYS or QLM_GATEWAY_API_KEYS_FILE (JSON,
-        key -> tenant). See docs/gateway.md."""
+        key -> tenant; the file is read again when it changes, and on SIGHUP). See
+        docs/gateway.md."""
         from qlm.config import Settings
         from qlm.gateway.app import ApiKeys, GatewaySettings
         from qlm.gateway.batches import BatchSettings
@@ -104,6 +105,8 @@ async def _run(
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    # `kill -HUP`: read QLM_GATEWAY_API_KEYS_FILE now (rotated keys), not at the next check
+    loop.add_signal_handler(signal.SIGHUP, server.reload_keys)
     try:
         await stop.wait()
     finally:

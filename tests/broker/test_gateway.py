@@ -8,6 +8,7 @@ test uses its own request ids, so tests do not see each other's requests.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -652,6 +653,133 @@ def test_api_keys_map_to_tenants_and_bad_keys_are_refused_without_echoing_them()
     with pytest.raises(ValueError, match="not JSON") as err:
         ApiKeys.from_settings(GatewaySettings(api_keys=KEY + "{"))  # type: ignore[arg-type]
     assert KEY not in str(err.value)
+
+
+@pytest.mark.broker
+async def test_keys_rotate_through_the_key_file_without_a_restart(
+    isolated_amqp_url: str, tmp_path: Path
+) -> None:
+    """A served gateway reads QLM_GATEWAY_API_KEYS_FILE again when it changes: a new key is
+    let in and a retired one refused within the check interval; a broken file keeps the keys
+    in use; reload_keys() (SIGHUP in `qlm gateway`) reads it at once."""
+    new_key = "sk-qlm-test-rotated-0123456789"
+    path = tmp_path / "keys.json"
+    path.write_text(json.dumps({KEY: TENANT}))
+
+    async def serve(reload_s: float) -> GatewayServer:
+        settings = GatewaySettings(api_keys_file=path, api_keys_reload_s=reload_s)
+        return await serve_gateway(
+            isolated_amqp_url,
+            keys=ApiKeys.from_settings(settings),
+            catalog=ModelCatalog(),
+            settings=settings,
+            host="127.0.0.1",
+            port=0,
+        )
+
+    async def status(http: httpx.AsyncClient, key: str) -> int:
+        # the key is checked first: 401, else the empty body's 400 (nothing waits)
+        auth = {"Authorization": f"Bearer {key}"}
+        return (await http.post("/v1/completions", headers=auth, content=b"{}")).status_code
+
+    async def until(http: httpx.AsyncClient, key: str, accepted: bool) -> None:
+        deadline = time.monotonic() + 5
+        while (await status(http, key) != 401) != accepted:
+            assert time.monotonic() < deadline, (key, accepted)
+            await asyncio.sleep(0.05)
+
+    gateway = await serve(0.1)
+    try:
+        async with httpx.AsyncClient(base_url=gateway.url, timeout=10) as http:
+            assert await status(http, KEY) != 401 and await status(http, new_key) == 401
+            path.write_text(json.dumps({KEY: TENANT, new_key: TENANT}))  # the overlap
+            await until(http, new_key, accepted=True)
+            path.write_text(json.dumps({new_key: TENANT}))  # the old one retired
+            await until(http, KEY, accepted=False)
+            path.write_text("{")  # half written: the keys in use stay
+            await asyncio.sleep(0.3)
+            assert await status(http, new_key) != 401
+    finally:
+        await gateway.stop()
+    # QLM_GATEWAY_API_KEYS_RELOAD_S=0: read again only when told (SIGHUP)
+    path.write_text(json.dumps({KEY: TENANT}))
+    gateway = await serve(0)
+    try:
+        async with httpx.AsyncClient(base_url=gateway.url, timeout=10) as http:
+            path.write_text(json.dumps({new_key: TENANT}))
+            await asyncio.sleep(0.3)
+            assert await status(http, KEY) != 401  # not read again by itself
+            assert gateway.reload_keys() and not gateway.reload_keys()
+            assert await status(http, KEY) == 401 and await status(http, new_key) != 401
+    finally:
+        await gateway.stop()
+
+
+@pytest.mark.broker
+async def test_a_gateway_process_reads_its_key_file_again_on_sighup(
+    isolated_amqp_url: str, tmp_path: Path
+) -> None:
+    """`qlm gateway` as its own process, the key file checked only on a signal
+    (QLM_GATEWAY_API_KEYS_RELOAD_S=0): a new key is refused until `kill -HUP`, then let in."""
+    import os
+    import signal
+    import socket
+    import sys
+
+    new_key = "sk-qlm-test-hup-0123456789"
+    path = tmp_path / "keys.json"
+    path.write_text(json.dumps({KEY: TENANT}))
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {
+        **os.environ,
+        "QLM_AMQP_URL": isolated_amqp_url,
+        "QLM_GATEWAY_API_KEYS_FILE": str(path),
+        "QLM_GATEWAY_API_KEYS_RELOAD_S": "0",
+        "QLM_GATEWAY_PORT": str(port),
+    }
+    env.pop("QLM_GATEWAY_API_KEYS", None)
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "qlm.cli",
+        "gateway",
+        env=env,
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.DEVNULL,
+    )
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=5) as http:
+            deadline = time.monotonic() + 60
+            while True:
+                with contextlib.suppress(httpx.TransportError):
+                    if (await http.get("/healthz")).status_code == 200:
+                        break
+                assert proc.returncode is None and time.monotonic() < deadline
+                await asyncio.sleep(0.1)
+
+            async def refused(key: str) -> bool:
+                # the key is checked first: 401, else the empty body's 400 (no coordinator
+                # needed, nothing waits)
+                auth = {"Authorization": f"Bearer {key}"}
+                resp = await http.post("/v1/completions", headers=auth, content=b"{}")
+                return resp.status_code == 401
+
+            assert await refused(new_key)
+            path.write_text(json.dumps({new_key: TENANT}))
+            await asyncio.sleep(0.5)
+            assert await refused(new_key)  # not read again by itself
+            os.kill(proc.pid, signal.SIGHUP)
+            deadline = time.monotonic() + 10
+            while await refused(new_key):
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.05)
+            assert await refused(KEY) and proc.returncode is None  # still serving
+    finally:
+        if proc.returncode is None:
+            proc.terminate()
+        await asyncio.wait_for(proc.wait(), timeout=30)
 
 
 def test_gateway_command_refuses_to_start_without_usable_keys(
