@@ -1561,15 +1561,18 @@ class CoordinatorCore:
         log.info("instance_draining", instance_id=instance_id, moved=len(moved))
         return len(moved)
 
-    def undrain(self, instance_id: str) -> str:
+    def undrain(self, instance_id: str, now: float | None = None) -> str:
         """Take a draining instance back into service; its status after (a lost one stays
         lost: its agent re-registers it with a heartbeat). Its credit comes back with the
-        agent's next heartbeat (``_reconcile_credit``) or pull."""
+        agent's next heartbeat (``_reconcile_credit``) or pull. Requests no live instance
+        could take while it drained (its model's, or a context only its engine takes) are
+        placed at once, not at the next plan."""
         inst = self.instances[instance_id]
         if inst.status == "draining":
             inst.status = "alive"
             self._instances_changed()
             log.info("instance_undrained", instance_id=instance_id)
+            self._place_unassigned(self.clock() if now is None else now)
         return inst.status
 
     def replan_wanted(self, now: float) -> bool:

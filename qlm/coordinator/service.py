@@ -1854,9 +1854,10 @@ class Coordinator:
     async def undrain(self, instance_id: str) -> dict[str, Any]:
         if instance_id not in self.core.instances:
             raise KeyError(instance_id)
-        status = self.core.undrain(instance_id)
+        now = time.time()
+        status = self.core.undrain(instance_id, now)
         if status == "alive":
-            self._record_instance(instance_id, "alive", time.time())
+            self._record_instance(instance_id, "alive", now)
             self._pump()
         return {"instance_id": instance_id, "status": status}
 

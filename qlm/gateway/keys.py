@@ -153,7 +153,11 @@ class ApiKeysWatch:
         return True
 
     async def run(self, interval_s: float) -> None:
-        """Check every ``interval_s`` seconds until cancelled."""
+        """Check every ``interval_s`` seconds until cancelled; a check that fails unexpectedly
+        is logged and the next one runs (the keys in use stay)."""
         while True:
             await asyncio.sleep(interval_s)
-            self.check()
+            try:
+                self.check()
+            except Exception:
+                log.exception("api_keys_watch_failed", kept="the keys in use")

@@ -3,6 +3,7 @@ changes; a file that cannot be read or holds no valid keys leaves the keys in us
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 
@@ -73,3 +74,23 @@ def test_the_variable_s_keys_stay_and_a_conflict_with_them_is_refused(tmp_path: 
 def test_a_watch_needs_a_file() -> None:
     with pytest.raises(ValueError, match="QLM_GATEWAY_API_KEYS_FILE"):
         ApiKeysWatch(ApiKeys({OLD: "a"}), GatewaySettings())
+
+
+async def test_the_watch_outlives_a_check_that_fails(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    keys, watch, _ = _watch(tmp_path)
+    calls = []
+
+    def broken() -> bool:
+        calls.append(1)
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(watch, "check", broken)
+    task = asyncio.create_task(watch.run(0.01))
+    await asyncio.sleep(0.1)
+    assert len(calls) > 1 and not task.done()  # still checking after the first failure
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert keys.tenant_for(OLD) == "team-a"

@@ -126,6 +126,8 @@ def test_a_drained_long_engine_hands_its_long_work_to_another_long_one_or_none()
     core.drain("long-gpu1", 2.0)
     assert all(t.instance_id is None for t in long)
     assert sorted(core.unassigned) == sorted(t.request_id for t in long)
+    assert core.undrain("long-gpu0", 3.0) == "alive"  # placed at once, not at the next plan
+    assert all(t.instance_id == "long-gpu0" for t in long) and core.unassigned == []
 
 
 def test_an_engine_back_with_a_shorter_context_sends_its_long_work_elsewhere() -> None:
