@@ -551,6 +551,11 @@ class Agent:
         statuses = []
         for inst in self.instances.values():
             s = inst.engine.stats()
+            # an engine's context can change while it runs (an http agent's server restarted
+            # with another --max-model-len): the coordinator places by the one it reports now
+            context = {m: n for m, n in inst.engine.max_model_len.items() if m in inst.info.models}
+            if context != inst.info.max_model_len:
+                inst.info = inst.info.model_copy(update={"max_model_len": context})
             statuses.append(
                 InstanceStatus(
                     info=inst.info,

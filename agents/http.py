@@ -167,6 +167,9 @@ class HttpEngine(EngineBackend):
         self._state: ModelState = "active"
         self._switching = asyncio.Lock()
         self._server_ok = False  # the last /metrics scrape answered
+        # why the server's model card was refused when it came back (another model, or no
+        # answer to GET /v1/models): no work goes to it meanwhile; None: none refused
+        self._card_problem: str | None = None
         self._snap = _Snapshot()
         self._tokens_total: float | None = None
         self._tokens_at = 0.0
@@ -263,6 +266,39 @@ class HttpEngine(EngineBackend):
                 "(the name must match the server's --served-model-name)"
             )
         self._max_model_len = int(card.get("max_model_len") or 0)
+
+    async def _recheck_card(self) -> str | None:
+        """The declared model's card, read again (a server that came back): its context is
+        taken (reported with the agent's next heartbeat); a server that serves another model
+        now, or does not answer GET /v1/models, is refused until it serves the declared one
+        (the reason, logged once; None when accepted)."""
+        problem: str | None = None
+        try:
+            resp = await self._get("/v1/models")
+            resp.raise_for_status()
+            cards = resp.json().get("data", [])
+            card = next(
+                (c for c in cards if isinstance(c, dict) and c.get("id") == self.model), None
+            )
+        except (httpx.HTTPError, ValueError, AttributeError) as exc:
+            problem = f"GET /v1/models failed ({_describe(exc)})"
+        else:
+            if card is None:
+                served = [str(c.get("id")) for c in cards if isinstance(c, dict)]
+                problem = f"it serves {served}, not {self.model!r}"
+            else:
+                context = int(card.get("max_model_len") or 0)
+                if context != self._max_model_len:
+                    self._log.info(
+                        "http_server_context_changed", before=self._max_model_len, after=context
+                    )
+                    self._max_model_len = context
+        if problem is not None and problem != self._card_problem:
+            self._log.error("http_server_refused", why=problem, sends="nothing until it serves")
+        elif problem is None and self._card_problem is not None:
+            self._log.info("http_server_serves_the_model_again")
+        self._card_problem = problem
+        return problem
 
     async def _detect(self) -> None:
         """What the server can do. /metrics (always on in vllm serve) gives the KV capacity;
@@ -680,6 +716,10 @@ class HttpEngine(EngineBackend):
                     )
                 continue
             if not self._server_ok:
+                # back after not answering, perhaps restarted with other flags: its model
+                # card is read again before any work goes to it
+                if await self._recheck_card() is not None:
+                    continue
                 self._log.info("http_server_reachable")
                 self._server_ok = True
                 self._capacity_changed()

@@ -313,6 +313,54 @@ async def test_a_request_goes_to_an_engine_whose_context_takes_it_or_is_refused(
             await _stop(coord, agents[1], agents[2])
 
 
+async def test_a_server_restarted_with_another_context_is_listed_with_it(
+    isolated_amqp_url: str, tmp_path: Path
+) -> None:
+    """An http agent's `vllm serve` restarted with another --max-model-len: once it answers
+    again the agent reports the new context with its heartbeats, and the coordinator lists
+    it (and places by it) without the agent being restarted."""
+    watcher = ServedModelsWatcher(isolated_amqp_url)
+    await watcher.start()
+    coord = await _coordinator(isolated_amqp_url, tmp_path, hold=0.0, grace=0.2)
+    cards = [{"id": "mistral-7b", "object": "model", "max_model_len": 3000}]
+    state = {"down": False}
+    with models_server(cards, metrics=True, state=state) as url:
+        settings = HttpSettings(start_timeout_s=5, metrics_interval_s=0.05)
+        agent = Agent(
+            isolated_amqp_url,
+            [HttpEngine("mistral-7b", url, settings)],
+            agent_id="ml-restart",
+            engine_name="http",
+            heartbeat_interval_s=0.1,
+        )
+        await agent.start()
+        try:
+
+            async def listed(context: int) -> None:
+                deadline = time.monotonic() + 10
+                while True:
+                    served = await watcher.wait(1.0)
+                    got = {m.id: m.max_model_len for m in served.models} if served else None
+                    if got == {"mistral-7b": context}:
+                        return
+                    assert time.monotonic() < deadline, got
+                    await asyncio.sleep(0.05)
+
+            await listed(3000)
+            state["down"] = True
+            await asyncio.sleep(0.5)
+            cards[0] = {"id": "mistral-7b", "object": "model", "max_model_len": 6000}
+            state["down"] = False
+            await listed(6000)
+            long_req = _req("long").model_copy(
+                update={"prompt_token_ids": [7] * 4000, "max_tokens": 20}
+            )
+            assert coord._beyond_engine_context(long_req) is None
+        finally:
+            await watcher.close()
+            await _stop(coord, agent)
+
+
 async def test_gateway_without_a_coordinator_answers_503_on_models(
     isolated_amqp_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -4,6 +4,7 @@ server's model card, from a small real HTTP server that answers ``GET /v1/models
 
 from __future__ import annotations
 
+import asyncio
 import socket
 from typing import Any
 
@@ -159,5 +160,46 @@ async def test_start_reads_the_context_from_the_servers_model_card(
             # the rest of the server is not there: said, not fatal
             notes = " ".join(eng.capabilities().notes)
             assert "GET /metrics failed" in notes and "dev endpoints are off" in notes
+        finally:
+            await eng.stop()
+
+
+async def test_a_server_that_comes_back_is_read_again_before_it_gets_work() -> None:
+    """A `vllm serve` restarted with another --max-model-len: the new context is taken once
+    it answers again; restarted serving another model: no work goes to it (not serving, wants
+    nothing) until it serves the declared one again."""
+    cards: list[dict[str, Any]] = [{"id": "llama", "object": "model", "max_model_len": 1000}]
+    state = {"down": False}
+    with models_server(cards, metrics=True, state=state) as url:
+        eng = HttpEngine("llama", url, HttpSettings(start_timeout_s=5, metrics_interval_s=0.02))
+
+        async def ignore(_: Any) -> None:
+            return None
+
+        async def until(predicate: Any) -> None:
+            for _ in range(250):
+                if predicate():
+                    return
+                await asyncio.sleep(0.02)
+            raise AssertionError("not reached")
+
+        await eng.start(ignore)
+        try:
+            assert dict(eng.max_model_len) == {"llama": 1000} and eng.stats().serving
+            state["down"] = True  # stopped ...
+            await until(lambda: not eng.stats().serving)
+            cards[0] = {"id": "llama", "object": "model", "max_model_len": 4000}
+            state["down"] = False  # ... and back with a longer context
+            await until(lambda: eng.stats().serving)
+            assert dict(eng.max_model_len) == {"llama": 4000} and eng.wants() > 0
+            state["down"] = True
+            await until(lambda: not eng.stats().serving)
+            cards[0] = {"id": "mistral", "object": "model", "max_model_len": 4000}
+            state["down"] = False  # back serving another model: refused
+            await asyncio.sleep(0.3)
+            assert not eng.stats().serving and eng.wants() == 0
+            cards[0] = {"id": "llama", "object": "model", "max_model_len": 2000}
+            await until(lambda: eng.stats().serving)  # the declared model again
+            assert dict(eng.max_model_len) == {"llama": 2000}
         finally:
             await eng.stop()
