@@ -1709,6 +1709,9 @@ class Coordinator:
                     "queued": len(inst.queue),
                     "kv_used_tokens": st.kv_used_tokens if st else 0,
                     "kv_capacity_tokens": inst.info.kv_capacity_tokens,
+                    # per model, the context the engine takes, where it says: a request
+                    # beyond it is never sent there
+                    "max_model_len": dict(inst.info.max_model_len),
                     "last_seen": inst.last_seen,
                     # the pull protocol's state: a credit held at 0 while the agent says it
                     # granted some is a stall (docs/reliability.md)

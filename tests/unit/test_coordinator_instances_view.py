@@ -33,5 +33,9 @@ async def test_the_instance_view_shows_credit_and_dispatches_in_transit(tmp_path
         [view] = coord.list_instances()
         # 2 of the 5 pulled left; 3 sent, none received as of the last heartbeat
         assert (view["credit"], view["dispatches_in_transit"]) == (2, 3)
+        assert view["max_model_len"] == {}  # the engine says nothing: the catalog's
+        core.on_heartbeat(heartbeat("b", max_model_len={"mistral-7b": 3000}), now=0.2)
+        by_id = {v["instance_id"]: v for v in coord.list_instances()}
+        assert by_id["b-gpu0"]["max_model_len"] == {"mistral-7b": 3000}
     finally:
         await store.close()
