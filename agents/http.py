@@ -247,9 +247,7 @@ class HttpEngine(EngineBackend):
         deadline = time.monotonic() + self.settings.start_timeout_s
         while True:
             try:
-                resp = await self._get("/v1/models")
-                resp.raise_for_status()
-                cards = resp.json().get("data", [])
+                card, served = await self._model_card()
                 break
             except (httpx.HTTPError, ValueError, AttributeError) as exc:
                 if time.monotonic() >= deadline:
@@ -258,14 +256,21 @@ class HttpEngine(EngineBackend):
                         f"({_describe(exc)}); is `vllm serve` running there?"
                     ) from exc
                 await asyncio.sleep(0.5)
-        served = [str(card.get("id")) for card in cards if isinstance(card, dict)]
-        card = next((c for c in cards if isinstance(c, dict) and c.get("id") == self.model), None)
         if card is None:
             raise HttpBackendError(
                 f"http backend: {self.url} serves {served}, not {self.model!r} "
                 "(the name must match the server's --served-model-name)"
             )
         self._max_model_len = int(card.get("max_model_len") or 0)
+
+    async def _model_card(self) -> tuple[dict[str, Any] | None, list[str]]:
+        """The declared model's card in the server's GET /v1/models (None where it serves
+        other models only), and the ids it serves. httpx or parse errors propagate."""
+        resp = await self._get("/v1/models")
+        resp.raise_for_status()
+        cards = [c for c in resp.json().get("data", []) if isinstance(c, dict)]
+        card = next((c for c in cards if c.get("id") == self.model), None)
+        return card, [str(c.get("id")) for c in cards]
 
     async def _recheck_card(self) -> str | None:
         """The declared model's card, read again (a server that came back): its context is
@@ -274,17 +279,11 @@ class HttpEngine(EngineBackend):
         (the reason, logged once; None when accepted)."""
         problem: str | None = None
         try:
-            resp = await self._get("/v1/models")
-            resp.raise_for_status()
-            cards = resp.json().get("data", [])
-            card = next(
-                (c for c in cards if isinstance(c, dict) and c.get("id") == self.model), None
-            )
+            card, served = await self._model_card()
         except (httpx.HTTPError, ValueError, AttributeError) as exc:
             problem = f"GET /v1/models failed ({_describe(exc)})"
         else:
             if card is None:
-                served = [str(c.get("id")) for c in cards if isinstance(c, dict)]
                 problem = f"it serves {served}, not {self.model!r}"
             else:
                 context = int(card.get("max_model_len") or 0)

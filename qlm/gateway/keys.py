@@ -37,10 +37,6 @@ class ApiKeys:
     content nor its position in the table leaks through response timing."""
 
     def __init__(self, keys: Mapping[str, str]) -> None:
-        self._entries = self._digests(keys)
-
-    @staticmethod
-    def _digests(keys: Mapping[str, str]) -> list[tuple[bytes, str]]:
         if not keys:
             raise ValueError("no API keys configured (QLM_GATEWAY_API_KEYS or _API_KEYS_FILE)")
         entries: list[tuple[bytes, str]] = []
@@ -53,7 +49,7 @@ class ApiKeys:
             if not isinstance(tenant, str) or len(tenant) > 128:
                 raise ValueError(f"the tenant of API key #{n + 1} must be a string ≤ 128 chars")
             entries.append((hashlib.sha256(key.encode()).digest(), tenant))
-        return entries
+        self._entries = entries
 
     def __len__(self) -> int:
         return len(self._entries)
