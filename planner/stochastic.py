@@ -2030,8 +2030,8 @@ class QLMPolicy(QueuePolicy):
         *latency-bound* work of a model (its decode at the full batch, at the mean length,
         takes over half its SLO, and it can still meet in the smallest batch; seen in a plan
         within the last CAP_HOLD_S, so that the cap does not flap with the queue), each
-        instance running only that model gets the smallest cap (of CAP_SHARES of its full
-        batch, at least CAP_MIN) that keeps
+        instance that serves that model alone and holds only its work gets the smallest cap
+        (of CAP_SHARES of its full batch, at least CAP_MIN) that keeps
 
         * its throughput at least ``cap_throughput_min`` of the full batch's (occupancy of a
           typical request of the served mix),
@@ -2079,6 +2079,10 @@ class QLMPolicy(QueuePolicy):
         # already, the throughput floor alone bounds what the cap costs
         keeps_up = per_instance <= load_max
         for g, inst in enumerate(live):
+            if len(inst.models) > 1:
+                # an instance that switches models: a cap slows the drain of one model's run
+                # and defers the switch the others' work waits for (docs/planner.md)
+                continue
             q = queues[g]
             model: str | None = inst.active_model
             if q:

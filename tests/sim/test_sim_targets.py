@@ -89,28 +89,37 @@ def test_ablation_judges_each_lso_by_more_than_one_sd():
 
 
 def test_an_lso_with_nothing_to_act_on_is_not_judged():
-    """Warm start on a one-model scenario loads nothing with it or without it: not judged
-    there (it is where models switch); one that did act is judged as before."""
-    default = {"warm_start": True, "eviction": False}
+    """Warm start on a one-model scenario loads nothing with it or without it, nor does the
+    batch cap on instances that serve several models (it sets none there): not judged there
+    (they are where models switch, where one model is served); one that did act is judged as
+    before."""
+    default = {"warm_start": True, "eviction": False, "batch_cap": True}
     summary = {
         "scenario": "wb-ablation",
         "sweep": {
-            "values": [default, {**default, "warm_start": False}, {**default, "eviction": True}],
-            "variants": ["default", "no warm start", "+ eviction"],
+            "values": [
+                default,
+                {**default, "warm_start": False},
+                {**default, "eviction": True},
+                {**default, "batch_cap": False},
+            ],
+            "variants": ["default", "no warm start", "+ eviction", "no batch cap"],
         },
         "policies": {
             "qlm": {
-                "slo_attainment": [0.80, 0.80, 0.80],
-                "throughput_rps": [2.0, 2.0, 2.0],
-                "model_swaps": [0.0, 0.0, 0.0],
-                "evictions": [0.0, 0.0, 12.0],
+                "slo_attainment": [0.80, 0.80, 0.80, 0.80],
+                "throughput_rps": [2.0, 2.0, 2.0, 2.0],
+                "model_swaps": [0.0, 0.0, 0.0, 0.0],
+                "evictions": [0.0, 0.0, 12.0, 0.0],
+                "batch_caps": [0.0, 0.0, 0.0, 0.0],
             },
         },
     }
     evaluate(summary)
-    warm, evict = summary["checks"]
+    warm, evict, cap = summary["checks"]
     assert warm["met"] and "not judged" in warm["target"]
     assert evict["met"] and "stays off rightly" in evict["target"]  # it acted: judged
+    assert cap["met"] and "not judged" in cap["target"]
     summary["policies"]["qlm"]["model_swaps"] = [3.0, 9.0, 3.0]  # models switch: judged
     evaluate(summary)
     assert not summary["checks"][0]["met"] and "pays" in summary["checks"][0]["target"]

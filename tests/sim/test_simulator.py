@@ -387,10 +387,13 @@ def test_agents_keep_at_most_the_batch_cap_in_their_engines(monkeypatch):
     assert result.metrics()["completed"] == len(reqs)
     assert 0 < max(peak.values()) <= 8
     assert {i.last_status.max_in_engine for i in sim.core.instances.values()} == {8}
+    # the LSO's counter: a cap set once on each agent (the same cap again is no new order)
+    assert result.metrics()["batch_caps"] == 2
     # without the LSO the agents pull what the engines take
     peak.clear()
-    ClusterSimulator(instances(2), _CapEveryInstance(), reqs, SimConfig()).run()
+    off = ClusterSimulator(instances(2), _CapEveryInstance(), reqs, SimConfig()).run()
     assert max(peak.values()) > 8
+    assert off.metrics()["batch_caps"] == 0
 
 
 def test_batch_caps_meet_more_latency_bound_requests_in_overload():

@@ -169,6 +169,7 @@ class SimResult:
     # SABER runs: instance id -> model -> the USL fit the gate used (runner.simulate fills it)
     speed_fits: dict[str, dict[str, Any]] = field(default_factory=dict)
     demoted: int = 0  # SABER runs: requests moved to a low-priority queue
+    batch_caps: int = 0  # batch caps set on agents (the batch cap LSO acting)
     # runs with a capacity controller: instance-hours and the like (ClusterSimulator docs)
     capacity: dict[str, Any] = field(default_factory=dict)
     # one per program (task chain or collective program): (its calls' SLO class, whether its
@@ -208,6 +209,7 @@ class SimResult:
             "evictions": int(sum(i["evictions"] for i in inst)),
             "kv_swaps": int(sum(i["swaps"] for i in inst)),
             "preemptions": int(sum(i["preemptions"] for i in inst)),
+            "batch_caps": self.batch_caps,
             "p50_latency_s": _quantile(latencies, 0.5),
             "p99_latency_s": _quantile(latencies, 0.99),
             "requests": n,
@@ -469,6 +471,7 @@ class ClusterSimulator:
         self.finished = 0
         self.last_finish = 0.0
         self.replans = 0
+        self.batch_caps = 0  # batch caps set on agents (BatchCapOrder with a cap)
         self.planner_wall_s = 0.0
         self._last_replan = -math.inf
         self._plan_pending = False
@@ -907,6 +910,8 @@ class ClusterSimulator:
         agent = self.agents.get(cap.instance_id)
         if agent is not None and agent.cap != cap.max_in_engine:
             agent.cap = cap.max_in_engine
+            if cap.max_in_engine is not None:
+                self.batch_caps += 1
             inst = self.instances.get(cap.instance_id)
             if inst is not None:
                 self._heartbeat(inst)  # the planner prices at the cap the agent applies
@@ -1056,6 +1061,7 @@ class ClusterSimulator:
             wall_s=wall,
             events=self.events,
             demoted=self.demoted,
+            batch_caps=self.batch_caps,
             tasks=self._task_outcomes(),
         )
 

@@ -63,6 +63,7 @@ SUMMARY_METRICS = (
     "evictions",
     "kv_swaps",
     "preemptions",
+    "batch_caps",  # caps the plans set on agents: the batch cap LSO acting (0: it never did)
     "p50_latency_s",
     "p99_latency_s",
     "requests",

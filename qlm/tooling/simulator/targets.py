@@ -226,7 +226,12 @@ def check_ablation(summary: Mapping[str, Any]) -> list[Check]:
 # An LSO's activity counter in a run's metrics: where it is 0 with the LSO on and off, the LSO
 # had nothing to act on in the scenario (warm start on one model loads nothing), so removing
 # or adding it cannot change anything and is not judged there
-_LSO_ACTS = {"warm_start": "model_swaps", "eviction": "evictions", "swap": "kv_swaps"}
+_LSO_ACTS = {
+    "warm_start": "model_swaps",
+    "eviction": "evictions",
+    "swap": "kv_swaps",
+    "batch_cap": "batch_caps",
+}
 
 
 def _idle_lso(summary: Mapping[str, Any], values: list[Any], k: int) -> tuple[str, str] | None:
