@@ -28,7 +28,14 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 import structlog
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
-from pydantic import BaseModel, Field, SecretStr, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, SettingsConfigDict
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -54,6 +61,7 @@ from qlm.gateway.openai_types import (
     QlmInfo,
     UsageOut,
 )
+from qlm.gateway.rate_limits import TenantRateLimits
 from qlm.gateway.served import ServedModelsWatcher
 from qlm.gateway.sse import DONE, SseRenderer, error_event, stream_events
 from qlm.metrics import GatewayMetrics, gateway_route
@@ -114,8 +122,22 @@ class GatewaySettings(BaseSettings):
     max_body_bytes: int = Field(default=1_048_576, ge=1024)
     # Retry-After (seconds) on a 429 (qlm overloaded) or 503 (broker unreachable).
     retry_after_s: int = Field(default=1, ge=1)
+    # Requests per minute each tenant may send through this gateway (a token bucket holding a
+    # minute's worth; beyond it a 429 rate_limit_exceeded); unset: no limit.
+    rate_limit_rpm: int | None = Field(default=None, ge=1)
+    # Per-tenant overrides of rate_limit_rpm, as a JSON object tenant -> requests per minute
+    # (keys without a tenant are the tenant ""); a tenant not named gets rate_limit_rpm.
+    tenant_rate_limits: dict[str, int] | None = None
     tls_cert: str | None = None
     tls_key: str | None = None
+
+    @field_validator("tenant_rate_limits")
+    @classmethod
+    def _rates_positive(cls, value: dict[str, int] | None) -> dict[str, int] | None:
+        for tenant, rpm in (value or {}).items():
+            if rpm < 1:
+                raise ValueError(f"tenant {tenant!r}: a rate limit is >= 1 request per minute")
+        return value
 
     @model_validator(mode="after")
     def _tls_pair(self) -> GatewaySettings:
@@ -310,6 +332,7 @@ class _Gateway:
         self.catalog = catalog
         self.settings = settings
         self.served = served
+        self.rates = TenantRateLimits(settings.rate_limit_rpm, settings.tenant_rate_limits)
         self._background: set[asyncio.Future[None]] = set()
 
     async def model_cards(self) -> list[ModelCard]:
@@ -353,6 +376,23 @@ class _Gateway:
                 headers={"WWW-Authenticate": _CHALLENGE},
             )
         return tenant or None  # "" is qlm's default tenant, sent as no tenant at all
+
+    def rate_headers(self, tenant: str | None) -> dict[str, str]:
+        """Count one call of ``tenant`` against its rate limit: its ``x-ratelimit-*``
+        headers (none without a limit), or a 429 once the limit is spent."""
+        decision = self.rates.take(tenant or "")
+        if decision is None:
+            return {}
+        if not decision.allowed:
+            raise GatewayError(
+                429,
+                f"rate limit reached: {decision.limit_rpm} requests per minute for this API "
+                f"key's tenant; retry in {decision.retry_after_s:.1f} s",
+                type="requests",
+                code="rate_limit_exceeded",
+                headers=decision.headers(),
+            )
+        return decision.headers()
 
     def spec(self, model: str) -> ModelSpec:
         try:
@@ -788,6 +828,7 @@ def create_gateway_app(
         the tokens come."""
         started = time.perf_counter()
         tenant = gw.tenant(request)
+        rate = gw.rate_headers(tenant)  # before the body is read: a spent limit costs nothing
         raw = await _read_body(request, gw.settings.max_body_bytes)
         body: CompletionRequest | ChatCompletionRequest = (
             _parse(CompletionRequest, raw)
@@ -810,7 +851,9 @@ def create_gateway_app(
             except _ClientGone:
                 return Response(status_code=499)
             m.observe_stream_ttft(body.model, time.perf_counter() - started)
-            return _stream(gw.stream_body(call, tenant, stream, first, deadline), rid)
+            streamed = _stream(gw.stream_body(call, tenant, stream, first, deadline), rid)
+            streamed.headers.update(rate)
+            return streamed
         try:
             result = await gw.round_trip(request, message)
         except _ClientGone:
@@ -824,7 +867,9 @@ def create_gateway_app(
             stream=body.stream,
             ms=round((time.perf_counter() - started) * 1000, 3),
         )
-        return render(call, result)
+        answer = render(call, result)
+        answer.headers.update(rate)
+        return answer
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

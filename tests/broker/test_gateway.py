@@ -656,6 +656,54 @@ def test_api_keys_map_to_tenants_and_bad_keys_are_refused_without_echoing_them()
 
 
 @pytest.mark.broker
+@pytest.mark.asyncio(loop_scope="module")
+async def test_a_tenant_past_its_rate_limit_gets_429_with_openai_s_headers(
+    stack: Stack,
+) -> None:
+    """QLM_GATEWAY_TENANT_RATE_LIMITS: each answer carries OpenAI's x-ratelimit-* headers; the
+    call past the limit gets a 429 rate_limit_exceeded with Retry-After (refused before its
+    body is read); another tenant, without a limit, is not counted."""
+    gateway = await serve_gateway(
+        stack.amqp_url,
+        keys=ApiKeys({KEY: TENANT, BLOCKED_KEY: BLOCKED_TENANT}),
+        catalog=ModelCatalog(),
+        settings=GatewaySettings(
+            default_slo_ms=30_000, timeout_s=60, tenant_rate_limits={TENANT: 2}
+        ),
+        host="127.0.0.1",
+        port=0,
+    )
+    auth = {"Authorization": f"Bearer {KEY}"}
+    call = {"model": MODEL, "prompt": "Hello there", "max_tokens": 3}
+    try:
+        async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as http:
+            answered = [await http.post("/v1/completions", headers=auth, json=call) for _ in "ab"]
+            assert [r.status_code for r in answered] == [200, 200]
+            assert [r.headers["x-ratelimit-remaining-requests"] for r in answered] == ["1", "0"]
+            assert answered[0].headers["x-ratelimit-limit-requests"] == "2"
+            refused = await http.post("/v1/completions", headers=auth, json=call)
+            assert refused.status_code == 429
+            error = refused.json()["error"]
+            assert (
+                error["code"] == "rate_limit_exceeded"
+                and "2 requests per minute" in (error["message"])
+            )
+            assert refused.headers["Retry-After"] == "30"  # one request at 2 a minute
+            assert refused.headers["x-ratelimit-remaining-requests"] == "0"
+            # the other tenant has no limit: its calls pass the limiter (the empty body's 400)
+            other = {"Authorization": f"Bearer {BLOCKED_KEY}"}
+            for _ in range(3):
+                r = await http.post("/v1/completions", headers=other, content=b"{}")
+                assert r.status_code == 400 and "x-ratelimit-limit-requests" not in r.headers
+    finally:
+        await gateway.stop()
+    # the buckets are each gateway's: the module's gateway, with no limit, serves the tenant
+    async with stack.openai() as api:
+        resp = await api.completions.create(model=MODEL, prompt="Hello there", max_tokens=2)
+        assert resp.choices[0].finish_reason in ("length", "stop")
+
+
+@pytest.mark.broker
 async def test_keys_rotate_through_the_key_file_without_a_restart(
     isolated_amqp_url: str, tmp_path: Path
 ) -> None:
