@@ -60,10 +60,6 @@ class TenantRateLimits:
         # table is as small as the key table
         self._buckets: dict[str, tuple[float, float]] = {}
 
-    @property
-    def active(self) -> bool:
-        return self._default is not None or bool(self._limits)
-
     def limit_of(self, tenant: str) -> int | None:
         return self._limits.get(tenant, self._default)
 
