@@ -41,7 +41,8 @@ class RateDecision:
 
 class TenantRateLimits:
     """Requests per minute per tenant: ``default_rpm`` for every tenant (None: no limit) and
-    ``per_tenant`` overrides (tenant -> rpm; qlm's default tenant, keys without one, is "")."""
+    ``per_tenant`` overrides (tenant -> rpm; qlm's default tenant, keys without one, is "").
+    The limits are ``GatewaySettings``', which refuse any below 1 at start."""
 
     def __init__(
         self,
@@ -49,12 +50,8 @@ class TenantRateLimits:
         per_tenant: Mapping[str, int] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        limits = dict(per_tenant or {})
-        for tenant, rpm in [("(default)", default_rpm), *limits.items()]:
-            if rpm is not None and (isinstance(rpm, bool) or not isinstance(rpm, int) or rpm < 1):
-                raise ValueError(f"the rate limit of tenant {tenant!r} must be an integer >= 1")
         self._default = default_rpm
-        self._limits = limits
+        self._limits = dict(per_tenant or {})
         self._clock = clock
         # tenant -> (tokens, time they were counted); tenants come from the API keys, so the
         # table is as small as the key table

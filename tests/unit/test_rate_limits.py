@@ -1,10 +1,12 @@
 """The gateway's per-tenant request rate limits (qlm/gateway/rate_limits.py): token buckets on a
-fake clock."""
+fake clock, and the settings that refuse a limit below one request a minute."""
 
 from __future__ import annotations
 
 import pytest
+from pydantic import ValidationError
 
+from qlm.gateway.app import GatewaySettings
 from qlm.gateway.rate_limits import TenantRateLimits
 
 
@@ -53,9 +55,9 @@ def test_tenants_have_their_own_buckets_and_overrides() -> None:
     assert TenantRateLimits(5, {"big": 100}).limit_of("other") == 5
 
 
-@pytest.mark.parametrize("bad", [0, -3, 1.5, True])
-def test_a_limit_below_one_request_a_minute_is_refused(bad: object) -> None:
-    with pytest.raises(ValueError, match="rate limit"):
-        TenantRateLimits(None, {"t": bad})  # type: ignore[dict-item]
-    with pytest.raises(ValueError, match="rate limit"):
-        TenantRateLimits(bad)  # type: ignore[arg-type]
+@pytest.mark.parametrize("bad", [0, -3, 1.5])
+def test_a_limit_below_one_request_a_minute_is_refused_at_start(bad: object) -> None:
+    with pytest.raises(ValidationError, match="rate limit|greater than or equal to 1|integer"):
+        GatewaySettings(tenant_rate_limits={"t": bad})
+    with pytest.raises(ValidationError):
+        GatewaySettings(rate_limit_rpm=bad)
