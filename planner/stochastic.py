@@ -198,6 +198,10 @@ class QLMConfig:
     # Candidate orders from the group plan (greedy, local search, MILP) beside request-level
     # EDF; they decide model runs where instances serve several models
     group_candidates: bool = True
+    # Improve the group plan (local search, rolling-horizon MILP) when every queued request
+    # is of one model. Off: with one model there is no model run to decide, and the improved
+    # plan never won the choice against the request-level EDF walk (docs/planner.md, 5)
+    improve_one_model: bool = False
     # The output-length quantile at which a request counts as able to meet its SLO in the
     # per-request walk (None: Δ). Clients send caps, not lengths, so a request's length is
     # known only as a distribution: a Δ-quantile calls every interactive request of a typical
@@ -1235,17 +1239,21 @@ class QLMPolicy(QueuePolicy):
         evict_wait = np.zeros(len(live))
         full = tab.first_slot > 0
         if full.any() and self.config.demote:
-            freed = dataclasses.replace(tab, first_slot=np.zeros(len(live)))
-            probe = self._walk_edf(freed, priced, walkable, best_lst)
             occ = np.where(np.isfinite(tab.occ[walkable]), tab.occ[walkable], np.nan)
             # per column, then per instance
             mean_occ: np.ndarray | float = (
                 np.nan_to_num(np.nanmean(occ, axis=0), nan=1.0)[tab.col] if walkable.any() else 1.0
             )
             cost = float((tab.evict / np.maximum(mean_occ, 1e-6))[full].sum())
-            if probe.met - candidates["edf"].met > cost:
-                evict_wait = np.where(full, tab.first_slot, 0.0)
-                tab, candidates["edf"] = freed, probe
+            # the probe meets at most every walkable request (each is kept once at most):
+            # where EDF's walk leaves no more than the cost unmet, the probe cannot win and is
+            # not walked (about half the replans in wb's overload)
+            if int(walkable.sum()) - candidates["edf"].met > cost:
+                freed = dataclasses.replace(tab, first_slot=np.zeros(len(live)))
+                probe = self._walk_edf(freed, priced, walkable, best_lst)
+                if probe.met - candidates["edf"].met > cost:
+                    evict_wait = np.where(full, tab.first_slot, 0.0)
+                    tab, candidates["edf"] = freed, probe
         problem: GroupProblem | None = None
         if self.config.group_candidates and walkable.sum() > 1:
             grouping = build_groups(
@@ -1262,7 +1270,13 @@ class QLMPolicy(QueuePolicy):
             problem = self._group_problem(grouping, priced, hw, tab, live, models, now)
             meta["groups"] = problem.n_groups
             incumbent = greedy_assign(problem)
-            improved, milp_stats = self.improve_groups(problem, incumbent, budget_end)
+            if len(models) > 1 or self.config.improve_one_model:
+                improved, milp_stats = self.improve_groups(problem, incumbent, budget_end)
+            else:
+                # One model queued: no model run to decide, and re-ordering its groups never
+                # won against the request-level EDF walk, which orders the same requests one
+                # by one (docs/planner.md, section 5, "One model")
+                improved, milp_stats = incumbent, {"skipped": "one model"}
             meta["milp"] = milp_stats
             candidates["greedy"] = self._walk_lanes(
                 self._expand(incumbent, grouping, tab, best_lst), tab, priced

@@ -565,3 +565,20 @@ def test_a_backlog_larger_than_the_memory_bound_is_not_taken_for_running_work(
         assert sum(len(d) for d in pol._left.values()) == 0
     pol.plan(reqs[10:], insts, NOW + 1)
     assert sum(len(d) for d in pol._left.values()) == 10
+
+
+def test_the_group_plan_is_improved_only_where_model_runs_are_to_decide() -> None:
+    """One model queued: the greedy group plan is a candidate as it is (local search and the
+    MILP never won against the request-level walk there, docs/planner.md section 5); two
+    models: it is improved, and improve_one_model=True improves it for one model too."""
+    queue = build_queue(60, 2, "tight")
+    insts = build_instances(2)
+    models = sorted({r.model for r in queue})
+    assert len(models) == 2
+    one = [r for r in queue if r.model == models[0]]
+    skipped = QLMPolicy().plan(one, insts, NOW)
+    assert skipped.meta["milp"] == {"skipped": "one model"}
+    assert skipped.meta["candidates"]["improved"] == skipped.meta["candidates"]["greedy"]
+    improved = QLMPolicy(improve_one_model=True).plan(one, insts, NOW)
+    assert "solved" in improved.meta["milp"]
+    assert "solved" in QLMPolicy().plan(queue, insts, NOW).meta["milp"]
