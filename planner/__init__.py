@@ -45,6 +45,7 @@ def create_policy(
     objective: str | None = None,
     cap_throughput_min: float | None = None,
     class_lanes: bool | None = None,
+    improve_one_model: bool | None = None,
     **overrides: Any,
 ) -> QueuePolicy:
     """The policy called ``name`` (case-insensitive; ``ValueError`` names the known ones).
@@ -59,8 +60,10 @@ def create_policy(
       keep (``QLM_PLANNER_CAP_THROUGHPUT_MIN`` live); ``None`` keeps its default;
     * ``class_lanes`` - the planner's class lanes (``QLM_PLANNER_CLASS_LANES`` live);
       ``None`` keeps its default;
+    * ``improve_one_model`` - whether the planner improves one model's group plan
+      (``QLM_PLANNER_IMPROVE_ONE_MODEL`` live); ``None`` keeps its default;
     * ``overrides`` - constructor arguments (a scenario file's policy variants); the planner's
-      ``grouping`` may be given as a mapping. They win over the two above.
+      ``grouping`` may be given as a mapping. They win over the arguments above.
     """
     key = name.lower()
     if key not in POLICIES:
@@ -76,6 +79,8 @@ def create_policy(
         kwargs["cap_throughput_min"] = cap_throughput_min
     if class_lanes is not None:
         kwargs["class_lanes"] = class_lanes
+    if improve_one_model is not None:
+        kwargs["improve_one_model"] = improve_one_model
     kwargs.update(overrides)
     if isinstance(kwargs.get("grouping"), Mapping):  # from YAML/JSON
         kwargs["grouping"] = GroupingConfig(**kwargs["grouping"])

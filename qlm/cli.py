@@ -256,8 +256,10 @@ def _live_autoscaler(s: Settings, coord: Any) -> Any:
 
 def _live_policy(name: str, s: Settings) -> Any:
     """The coordinator's ordering policy from the one factory: wall-clock budgets, the
-    planner's objective from QLM_PLANNER_OBJECTIVE and its batch caps' throughput floor from
-    QLM_PLANNER_CAP_THROUGHPUT_MIN; an unknown name is a usage error."""
+    planner's objective from QLM_PLANNER_OBJECTIVE, its batch caps' throughput floor from
+    QLM_PLANNER_CAP_THROUGHPUT_MIN, its class lanes and its improvement of one model's plan
+    from QLM_PLANNER_CLASS_LANES and QLM_PLANNER_IMPROVE_ONE_MODEL; an unknown name is a
+    usage error."""
     from qlm.planner import create_policy
 
     try:
@@ -267,6 +269,7 @@ def _live_policy(name: str, s: Settings) -> Any:
             objective=s.planner_objective,
             cap_throughput_min=s.planner_cap_throughput_min,
             class_lanes=s.planner_class_lanes,
+            improve_one_model=s.planner_improve_one_model,
         )
     except ValueError as e:
         raise typer.BadParameter(str(e)) from e

@@ -84,6 +84,10 @@ class Settings(BaseSettings):
     # the qlm planner keeps work whose decode takes most of its SLO apart from work with
     # minutes to spare while the fleet is below capacity (docs/planner.md, "Class lanes")
     planner_class_lanes: bool = True
+    # the qlm planner improves the group plan (local search, MILP) also where every queued
+    # request is of one model; off: 40-75 % less planner time there, at up to 2 points of
+    # attainment (docs/planner.md, section 5, "One model")
+    planner_improve_one_model: bool = True
     # the batch tier (docs/architecture.md): requests with ≥ batch_min_slack_s to their
     # deadline wait in the durable queue for spare capacity or their promotion time
     batch_tier: bool = True

@@ -567,18 +567,31 @@ def test_a_backlog_larger_than_the_memory_bound_is_not_taken_for_running_work(
     assert sum(len(d) for d in pol._left.values()) == 10
 
 
-def test_the_group_plan_is_improved_only_where_model_runs_are_to_decide() -> None:
-    """One model queued: the greedy group plan is a candidate as it is (local search and the
-    MILP never won against the request-level walk there, docs/planner.md section 5); two
-    models: it is improved, and improve_one_model=True improves it for one model too."""
+def test_improve_one_model_off_keeps_the_greedy_group_plan_of_one_model() -> None:
+    """improve_one_model=False: with one model queued the greedy group plan is a candidate as
+    it is (no local search, no MILP); with two models queued it is improved all the same. By
+    default one model's plan is improved too."""
     queue = build_queue(60, 2, "tight")
     insts = build_instances(2)
     models = sorted({r.model for r in queue})
     assert len(models) == 2
     one = [r for r in queue if r.model == models[0]]
-    skipped = QLMPolicy().plan(one, insts, NOW)
+    fast = QLMPolicy(improve_one_model=False)
+    skipped = fast.plan(one, insts, NOW)
     assert skipped.meta["milp"] == {"skipped": "one model"}
     assert skipped.meta["candidates"]["improved"] == skipped.meta["candidates"]["greedy"]
-    improved = QLMPolicy(improve_one_model=True).plan(one, insts, NOW)
-    assert "solved" in improved.meta["milp"]
-    assert "solved" in QLMPolicy().plan(queue, insts, NOW).meta["milp"]
+    assert "solved" in QLMPolicy(improve_one_model=False).plan(queue, insts, NOW).meta["milp"]
+    assert "solved" in QLMPolicy().plan(one, insts, NOW).meta["milp"]
+
+
+def test_the_live_policy_takes_improve_one_model_from_the_settings(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from qlm.cli import _live_policy
+    from qlm.config import Settings
+
+    monkeypatch.setenv("QLM_PLANNER_IMPROVE_ONE_MODEL", "false")
+    assert _live_policy("qlm", Settings()).config.improve_one_model is False
+    monkeypatch.delenv("QLM_PLANNER_IMPROVE_ONE_MODEL")
+    assert _live_policy("qlm", Settings()).config.improve_one_model is True
+    assert create_policy("edf", improve_one_model=False).name == "edf"  # others ignore it
