@@ -9,6 +9,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from aio_pika.abc import AbstractIncomingMessage, AbstractQueue
+
 from qlm.control import Completion, Heartbeat, InstanceInfo, InstanceStatus
 from qlm.policy import PlanInstance, PlanRequest
 from qlm.types import SLO, RequestMessage
@@ -98,6 +100,26 @@ async def wait_until(predicate: Callable[[], object], timeout: float = 20.0) -> 
         if time.monotonic() > deadline:
             raise TimeoutError("condition not reached")
         await asyncio.sleep(0.02)
+
+
+async def next_messages(
+    queue: AbstractQueue,
+    n: int,
+    timeout: float = 10.0,  # noqa: ASYNC109
+) -> list[AbstractIncomingMessage]:
+    """The next ``n`` messages of ``queue``, unacked, waiting up to ``timeout`` s for them
+    (TimeoutError after): a basic.get answers at once, empty or not, so a message published
+    a moment after the test asks (a dead letter after the reply or the confirm the test
+    waited for) would otherwise be missed."""
+    out: list[AbstractIncomingMessage] = []
+    async with asyncio.timeout(timeout):
+        while len(out) < n:
+            msg = await queue.get(fail=False)
+            if msg is None:
+                await asyncio.sleep(0.05)
+                continue
+            out.append(msg)
+    return out
 
 
 def make_completion(**overrides: Any) -> Completion:

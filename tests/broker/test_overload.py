@@ -21,7 +21,7 @@ from qlm.planner import create_policy
 from qlm.store import Store
 from qlm.topology import DEAD_LETTER_QUEUE, REASON_HEADER, REASON_TEXT_HEADER
 from qlm.types import SLO, ErrorCode, ErrorMessage, RequestMessage, ResultMessage
-from tests.builders import heartbeat, wait_until
+from tests.builders import heartbeat, next_messages, wait_until
 
 
 def _req(rid: str, tenant: str | None = None) -> RequestMessage:
@@ -180,9 +180,7 @@ async def test_requests_beyond_the_limit_get_an_overloaded_reply_and_a_dead_lett
             ch = await conn.channel()
             dead = await ch.get_queue(DEAD_LETTER_QUEUE, ensure=False)
             letters = {}
-            for _ in range(2):
-                msg = await dead.get(timeout=5, fail=True)
-                assert msg is not None
+            for msg in await next_messages(dead, 2):
                 headers = msg.headers or {}
                 letters[msg.message_id] = (
                     headers.get(REASON_HEADER),

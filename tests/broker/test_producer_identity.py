@@ -34,6 +34,7 @@ from qlm.types import (
     RequestMessage,
     ResultMessage,
 )
+from tests.builders import next_messages
 from tests.e2e import producer_users
 
 pytestmark = pytest.mark.broker
@@ -97,9 +98,7 @@ async def _dead_letters(url: str, n: int) -> dict[str, str]:
     async with await aio_pika.connect(url) as conn:
         ch = await conn.channel()
         dead = await ch.get_queue(DEAD_LETTER_QUEUE, ensure=False)
-        for _ in range(n):
-            msg = await dead.get(timeout=10, fail=True)
-            assert msg is not None
+        for msg in await next_messages(dead, n):
             out[str(msg.message_id)] = str((msg.headers or {}).get(REASON_HEADER))
             await msg.ack()
     return out
