@@ -91,6 +91,13 @@ DISPATCH_MEMORY = 1024  # requests per instance remembered after they left its q
 LOAD_WINDOW_S = 60.0  # the sure work's arrival rate is averaged over about this long
 RECENT_S = 10.0  # ...and whether it still arrives is judged over about this long
 CREDIT_MAX_S = 30.0  # long-shot credit is capped at this many seconds of each instance
+# long_shot_density: the prices of this many recent long shots give the range the threshold
+# moves in (its 5th and 95th percentiles, read again every SHOT_PRICES_EVERY long shots), and
+# the gate waits for SHOT_PRICES_MIN of them
+SHOT_PRICES_KEPT = 512
+SHOT_PRICES_MIN = 64
+SHOT_PRICES_EVERY = 64
+SHOT_PRICE_QUANTILES = (0.05, 0.95)
 # occupancy_learning: the engines' measured occupancy is averaged over about this long, and
 # counts once this many instance-seconds of busy queues were seen; the scale stays within
 # [OCCUPANCY_SCALE_MIN, 1] of the model's price: only a discount is learnt. Busy queues also
@@ -222,6 +229,15 @@ class QLMConfig:
     # queue does not grow, so its slack is not eaten by its own backlog and more of it can be
     # lent). None: long_shot_borrow always (docs/planner.md, "Long shots")
     long_shot_borrow_stable: float | None = 0.75
+    # Which long shots spend the borrowed capacity: an online knapsack (Zhou, Chakrabarty and
+    # Lukose, WINE 2008). A long shot is worth its chance, which its class's length
+    # distribution sets alike for every arrival of the class, and costs its charge (mostly
+    # its prompt), so a cheaper one buys more chance per second of debt: while long shots owe
+    # nothing any is taken, as the debt nears its floor only those priced near the cheapest
+    # recent ones. Off by default: it pays where long shots seldom meet (wb, trace x3) and
+    # costs where they mostly do (wb-512; docs/planner.md, "Long shots"). False: any long
+    # shot the credit allows, first come, first served
+    long_shot_density: bool = False
     # Batch caps (the LSO InstanceLSO.max_in_engine): where an instance's queue holds work
     # whose decode at the full batch takes much of its SLO, the smallest batch at which the
     # sure work still keeps up (its arrival rate and the backlog's deadlines), so that the
@@ -567,6 +583,11 @@ class QLMPolicy(QueuePolicy):
         # long shots' priced occupancy that arrived, decayed over LOAD_WINDOW_S (the sure
         # work's share of what arrived weighs a long shot's charge)
         self._shot_load = 0.0
+        # long_shot_density: recent long shots' prices, their (5th, 95th) percentiles, and
+        # how many long shots arrived since those were read
+        self._shot_prices: deque[float] = deque(maxlen=SHOT_PRICES_KEPT)
+        self._shot_price_range: tuple[float, float] | None = None
+        self._shot_prices_new = 0
         # occupancy_learning: priced occupancy that left each instance's queue since the last
         # plan, the instances whose queues held work at it, and the decayed sums (busy
         # instance-seconds, priced occupancy that left busy queues) the scale is read from
@@ -852,11 +873,9 @@ class QLMPolicy(QueuePolicy):
             else:
                 self._shot_load += occ
                 charge = occ * self._shot_charge_scale()
-                if (
-                    not infeasible
-                    and due >= now
-                    and self._credit - charge >= -self._borrow_s(len(eligible)) * len(eligible)
-                ):
+                floor = self._borrow_s(len(eligible)) * len(eligible)
+                within = occ <= self._shot_price_limit(occ, floor)
+                if not infeasible and due >= now and within and self._credit - charge >= -floor:
                     self._credit -= charge
                     self._shots.add(request.request_id)
                 elif due >= now:
@@ -1018,6 +1037,30 @@ class QLMPolicy(QueuePolicy):
         self._occ_left.clear()
         self._busy = running
         self._occ_at = now
+
+    def _shot_price_limit(self, price: float, floor: float) -> float:
+        """The highest price a long shot may have at the current debt (``long_shot_density``):
+        with recent prices in [lo, hi], ``e·hi·(lo / (e·hi))^z`` at debt ``z`` of the ``floor``
+        long shots may owe, the online knapsack's threshold on value per unit of weight (every
+        long shot worth the same) as a price: above every recent price while nothing is owed,
+        lo at the floor. Notes ``price`` among the recent ones."""
+        if not self.config.long_shot_density:
+            return math.inf
+        prices = self._shot_prices
+        prices.append(price)
+        self._shot_prices_new += 1
+        if len(prices) < SHOT_PRICES_MIN or floor <= 0.0:
+            return math.inf
+        if self._shot_price_range is None or self._shot_prices_new >= SHOT_PRICES_EVERY:
+            lo, hi = np.quantile(np.fromiter(prices, np.float64, len(prices)), SHOT_PRICE_QUANTILES)
+            self._shot_price_range = (float(lo), float(hi))
+            self._shot_prices_new = 0
+        lo, hi = self._shot_price_range
+        if hi <= 0.0:
+            return math.inf
+        z = min(max(-self._credit / floor, 0.0), 1.0)
+        top = math.e * hi
+        return top * (max(lo, 0.0) / top) ** z
 
     def _shot_charge_scale(self) -> float:
         """A long shot's charge over its price: 1 moved towards the occupancy scale by the sure

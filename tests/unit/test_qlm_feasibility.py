@@ -287,43 +287,68 @@ def test_a_burst_of_slack_rich_work_leaves_long_shots_the_capacity_its_slack_spa
     assert pol.sort_key(shot)[:2] == (TAIL, HOPELESS)
 
 
-def shots_admitted(load_share: float, stable: float | None) -> int:
+def shots_admitted(
+    load_share: float, prompts: tuple[int, ...] = (200,), per_instance: int = 1, **config: object
+) -> tuple[dict[int, int], int]:
     """Batch work at ``load_share`` of the instance's capacity for 240 s, with interactive long
-    shots arriving beside it (a whole instance's worth): how many long shots are admitted."""
-    pol, i0 = priced_policy(long_shot_borrow_stable=stable)
+    shots arriving beside it (``per_instance`` instances' worth at a 200-token prompt), their
+    prompts taking the ``prompts`` in turn: how many of each prompt the policy (``config``)
+    admitted, and how many of each arrived."""
+    pol, i0 = priced_policy(**config)
     rate = pol._rates[("i0", "mistral-7b")]
     token_s = rate.token_s
     mean, _, _ = pol._lengths_of(
         PlanRequest("x", "mistral-7b", 200, 1024, NOW, None, None, slo_class="batch")
     )
     occ = 200 * rate.inv_prefill_tps + mean * rate.inv_tps
-    gap = occ / load_share
-    t, seq, admitted, next_shot = NOW, 1, 0, NOW
+    t, seq, next_shot, k = NOW, 1, NOW, 0
+    admitted = dict.fromkeys(prompts, 0)
     while t < NOW + 240.0:
         b = PlanRequest(f"b{seq}", "mistral-7b", 200, 1024, t, t + 300.0, None, seq)
         pol.place(dataclasses.replace(b, slo_class="batch"), i0, {"i0": 0.0}, t)
         seq += 1
         while next_shot <= t:
-            s = PlanRequest(f"s{seq}", "mistral-7b", 200, 1024, t, t + 420 * token_s, None, seq)
+            prompt = prompts[k % len(prompts)]
+            s = PlanRequest(f"s{seq}", "mistral-7b", prompt, 1024, t, t + 420 * token_s, None, seq)
             s = dataclasses.replace(s, slo_class="interactive")
             pol.place(s, i0, {"i0": 0.0}, t)
-            admitted += pol.sort_key(s)[0] == FEASIBLE
+            admitted[prompt] += pol.sort_key(s)[0] == FEASIBLE
             seq += 1
-            next_shot += occ
-        t += gap
-    return admitted
+            k += 1
+            next_shot += occ / per_instance
+        t += occ / load_share
+    return admitted, k // len(prompts)
+
+
+def shots_borrowing(load_share: float, stable: float | None) -> int:
+    return sum(shots_admitted(load_share, long_shot_borrow_stable=stable)[0].values())
 
 
 def test_long_shots_borrow_more_of_the_slack_of_sure_work_that_keeps_up() -> None:
     """Sure work below the capacity does not queue up of itself, so long shots may owe more
     of its slack (``long_shot_borrow_stable``); sure work above the capacity eats its slack
     with its own backlog, and they owe no more than ``long_shot_borrow`` of it."""
-    below_more, below_base = shots_admitted(0.9, 0.75), shots_admitted(0.9, None)
+    below_more, below_base = shots_borrowing(0.9, 0.75), shots_borrowing(0.9, None)
     assert below_more > below_base > 0
-    above = shots_admitted(1.3, 0.75)
-    assert above == shots_admitted(1.3, None) > 0
+    above = shots_borrowing(1.3, 0.75)
+    assert above == shots_borrowing(1.3, None) > 0
     with pytest.raises(ValueError, match="long_shot_borrow_stable"):
         QLMPolicy(long_shot_borrow_stable=1.5)
+
+
+@pytest.mark.parametrize("load_share", [0.9, 1.3])
+def test_borrowed_capacity_goes_to_the_cheaper_long_shots(load_share: float) -> None:
+    """Long shots of one class have the same chance; one with a long prompt costs more of the
+    capacity they borrow. As the debt grows the admission (an online knapsack) takes only the
+    cheaper ones, so more long shots are tried for the same debt: more of the short prompts
+    and fewer of the long ones than first come, first served, and more in all."""
+    prompts = (200, 3000)
+    dense, offered = shots_admitted(load_share, prompts, 2, long_shot_density=True)
+    first_come, _ = shots_admitted(load_share, prompts, 2, long_shot_density=False)
+    assert offered > 4000
+    assert dense[3000] < first_come[3000] / 2
+    assert dense[200] > first_come[200] * 1.5
+    assert sum(dense.values()) > sum(first_come.values())
 
 
 def test_kept_work_past_its_latest_start_is_demoted_at_dispatch() -> None:
