@@ -98,6 +98,9 @@ SHOT_PRICES_KEPT = 512
 SHOT_PRICES_MIN = 64
 SHOT_PRICES_EVERY = 64
 SHOT_PRICE_QUANTILES = (0.05, 0.95)
+# long_shot_odds: each sure arrival's weight in the running mean of sure arrivals' prices (about
+# the last 500 arrivals)
+SURE_PRICE_WEIGHT = 0.002
 # occupancy_learning: the engines' measured occupancy is averaged over about this long, and
 # counts once this many instance-seconds of busy queues were seen; the scale stays within
 # [OCCUPANCY_SCALE_MIN, 1] of the model's price: only a discount is learnt. Busy queues also
@@ -238,6 +241,15 @@ class QLMConfig:
     # costs where they mostly do (wb-512; docs/planner.md, "Long shots"). False: any long
     # shot the credit allows, first come, first served
     long_shot_density: bool = False
+    # Which long shots may add to the debt: while long shots owe (the credit below 0), one is
+    # taken only if its chance of meeting, per second of its priced occupancy, is at least
+    # this fraction of a sure arrival's (1 per the mean priced occupancy of recent sure
+    # arrivals), scaled by how deep the debt is (0 at no debt, 1 at its floor). Its chance is
+    # P(output fits the time left) at the fastest eligible instance with nothing ahead, from
+    # the length model's mean and variance: an optimistic figure, so the bar is below 1. In
+    # overload this keeps the debt for long shots that mostly meet (wb 16: +1.4 points, trace
+    # x3 +1.0; docs/planner.md, "Long shots"). None: any long shot the credit allows
+    long_shot_odds: float | None = 0.4
     # Batch caps (the LSO InstanceLSO.max_in_engine): where an instance's queue holds work
     # whose decode at the full batch takes much of its SLO, the smallest batch at which the
     # sure work still keeps up (its arrival rate and the backlog's deadlines), so that the
@@ -284,6 +296,8 @@ class QLMConfig:
             raise ValueError("long_shot_quantile must be in (0, 1)")
         if not 0 <= self.long_shot_borrow <= 1:
             raise ValueError("long_shot_borrow must be in [0, 1]")
+        if self.long_shot_odds is not None and self.long_shot_odds < 0:
+            raise ValueError("long_shot_odds must be >= 0")
         if self.long_shot_borrow_stable is not None and not 0 <= self.long_shot_borrow_stable <= 1:
             raise ValueError("long_shot_borrow_stable must be in [0, 1]")
         if self.budget_clock not in ("wall", "work"):
@@ -588,6 +602,8 @@ class QLMPolicy(QueuePolicy):
         self._shot_prices: deque[float] = deque(maxlen=SHOT_PRICES_KEPT)
         self._shot_price_range: tuple[float, float] | None = None
         self._shot_prices_new = 0
+        # long_shot_odds: the running mean priced occupancy (s) of sure arrivals
+        self._sure_price = 0.0
         # occupancy_learning: priced occupancy that left each instance's queue since the last
         # plan, the instances whose queues held work at it, and the decayed sums (busy
         # instance-seconds, priced occupancy that left busy queues) the scale is read from
@@ -870,12 +886,22 @@ class QLMPolicy(QueuePolicy):
                 sums[2] += occ
                 if slo is not None:
                     self._note_sure_slo(now, slo)
+                if self._sure_price <= 0.0:
+                    self._sure_price = occ
+                else:
+                    self._sure_price += SURE_PRICE_WEIGHT * (occ - self._sure_price)
             else:
                 self._shot_load += occ
                 charge = occ * self._shot_charge_scale()
                 floor = self._borrow_s(len(eligible)) * len(eligible)
                 within = occ <= self._shot_price_limit(occ, floor)
-                if not infeasible and due >= now and within and self._credit - charge >= -floor:
+                if (
+                    not infeasible
+                    and due >= now
+                    and within
+                    and self._credit - charge >= -floor
+                    and self._shot_has_odds(request, eligible, occ, floor, now)
+                ):
                     self._credit -= charge
                     self._shots.add(request.request_id)
                 elif due >= now:
@@ -1061,6 +1087,39 @@ class QLMPolicy(QueuePolicy):
         z = min(max(-self._credit / floor, 0.0), 1.0)
         top = math.e * hi
         return top * (max(lo, 0.0) / top) ** z
+
+    def _shot_has_odds(
+        self,
+        request: PlanRequest,
+        eligible: Sequence[PlanInstance],
+        price: float,
+        floor: float,
+        now: float,
+    ) -> bool:
+        """Whether a long shot of ``price`` (priced occupancy, s) may add to the debt
+        (``long_shot_odds``): its chance per second at least the bar times a sure arrival's,
+        the bar rising with the debt from 0 to ``long_shot_odds`` at the ``floor``."""
+        bar = self.config.long_shot_odds
+        if bar is None or self._credit >= 0.0 or floor <= 0.0 or self._sure_price <= 0.0:
+            return True
+        if request.deadline is None:
+            return True
+        model = request.model
+        fits = -math.inf  # output tokens that fit before the deadline, started now
+        for inst in eligible:
+            rate = self._rates.get((inst.instance_id, model)) or self._rate(inst, model)
+            pre = rate.prefill_fixed_s + rate.prefill_s_per_token * request.prompt_tokens
+            fits = max(fits, (request.deadline - now - pre) / max(rate.token_s, 1e-12))
+        mean, var = self.estimator.lengths.predict(
+            model,
+            request.slo_class,
+            np.array([max(request.max_tokens, 1)], dtype=np.float64),
+            prompt_tokens=np.array([request.prompt_tokens], dtype=np.float64),
+        )
+        sd = math.sqrt(max(float(var[0]), 1e-9))
+        chance = float(ndtr((fits - float(mean[0])) / sd))
+        debt = min(-self._credit / floor, 1.0)
+        return chance / price >= bar * debt / self._sure_price
 
     def _shot_charge_scale(self) -> float:
         """A long shot's charge over its price: 1 moved towards the occupancy scale by the sure

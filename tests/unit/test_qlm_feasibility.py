@@ -288,12 +288,16 @@ def test_a_burst_of_slack_rich_work_leaves_long_shots_the_capacity_its_slack_spa
 
 
 def shots_admitted(
-    load_share: float, prompts: tuple[int, ...] = (200,), per_instance: int = 1, **config: object
-) -> tuple[dict[int, int], int]:
+    load_share: float,
+    shots: tuple[tuple[int, int], ...] = ((200, 420),),
+    per_instance: int = 1,
+    **config: object,
+) -> tuple[dict[tuple[int, int], int], int]:
     """Batch work at ``load_share`` of the instance's capacity for 240 s, with interactive long
-    shots arriving beside it (``per_instance`` instances' worth at a 200-token prompt), their
-    prompts taking the ``prompts`` in turn: how many of each prompt the policy (``config``)
-    admitted, and how many of each arrived."""
+    shots arriving beside it (``per_instance`` instances' worth at a 200-token prompt), each
+    shot in turn of the next kind in ``shots``: (prompt tokens, decode times of a token from
+    its arrival to its deadline). How many of each kind the policy (``config``) admitted, and
+    how many of each arrived."""
     pol, i0 = priced_policy(**config)
     rate = pol._rates[("i0", "mistral-7b")]
     token_s = rate.token_s
@@ -302,26 +306,49 @@ def shots_admitted(
     )
     occ = 200 * rate.inv_prefill_tps + mean * rate.inv_tps
     t, seq, next_shot, k = NOW, 1, NOW, 0
-    admitted = dict.fromkeys(prompts, 0)
+    admitted = dict.fromkeys(shots, 0)
     while t < NOW + 240.0:
         b = PlanRequest(f"b{seq}", "mistral-7b", 200, 1024, t, t + 300.0, None, seq)
         pol.place(dataclasses.replace(b, slo_class="batch"), i0, {"i0": 0.0}, t)
         seq += 1
         while next_shot <= t:
-            prompt = prompts[k % len(prompts)]
-            s = PlanRequest(f"s{seq}", "mistral-7b", prompt, 1024, t, t + 420 * token_s, None, seq)
+            kind = shots[k % len(shots)]
+            prompt, window = kind
+            s = PlanRequest(
+                f"s{seq}", "mistral-7b", prompt, 1024, t, t + window * token_s, None, seq
+            )
             s = dataclasses.replace(s, slo_class="interactive")
             pol.place(s, i0, {"i0": 0.0}, t)
-            admitted[prompt] += pol.sort_key(s)[0] == FEASIBLE
+            admitted[kind] += pol.sort_key(s)[0] == FEASIBLE
             seq += 1
             k += 1
             next_shot += occ / per_instance
         t += occ / load_share
-    return admitted, k // len(prompts)
+    return admitted, k // len(shots)
 
 
 def shots_borrowing(load_share: float, stable: float | None) -> int:
     return sum(shots_admitted(load_share, long_shot_borrow_stable=stable)[0].values())
+
+
+@pytest.mark.parametrize("load_share", [0.9, 1.3])
+def test_debt_goes_to_the_long_shots_likelier_to_meet(load_share: float) -> None:
+    """Outputs fit N(400, ~290²): a long shot with 100 tokens' time left meets with P ≈ 0.12,
+    one with 700 with P ≈ 0.85. Once long shots owe, the odds gate (``long_shot_odds``) refuses
+    the first kind more the deeper the debt, so the second kind gets the debt: more of them
+    admitted than first come, first served, and more long shots expected to meet in all."""
+    slim, fair = (200, 100), (200, 700)
+    gated, offered = shots_admitted(load_share, (slim, fair), 2)
+    first_come, _ = shots_admitted(load_share, (slim, fair), 2, long_shot_odds=None)
+    assert offered > 4000
+    assert gated[slim] < first_come[slim] / 1.5
+    assert gated[fair] > first_come[fair] * 1.3
+    expected_met = {
+        k: 0.12 * n[slim] + 0.85 * n[fair] for k, n in (("gated", gated), ("fcfs", first_come))
+    }
+    assert expected_met["gated"] > expected_met["fcfs"] * 1.2
+    with pytest.raises(ValueError, match="long_shot_odds"):
+        QLMPolicy(long_shot_odds=-0.1)
 
 
 def test_long_shots_borrow_more_of_the_slack_of_sure_work_that_keeps_up() -> None:
@@ -342,12 +369,16 @@ def test_borrowed_capacity_goes_to_the_cheaper_long_shots(load_share: float) -> 
     capacity they borrow. As the debt grows the admission (an online knapsack) takes only the
     cheaper ones, so more long shots are tried for the same debt: more of the short prompts
     and fewer of the long ones than first come, first served, and more in all."""
-    prompts = (200, 3000)
-    dense, offered = shots_admitted(load_share, prompts, 2, long_shot_density=True)
-    first_come, _ = shots_admitted(load_share, prompts, 2, long_shot_density=False)
+    cheap, dear = (200, 420), (3000, 420)
+    dense, offered = shots_admitted(
+        load_share, (cheap, dear), 2, long_shot_density=True, long_shot_odds=None
+    )
+    first_come, _ = shots_admitted(
+        load_share, (cheap, dear), 2, long_shot_density=False, long_shot_odds=None
+    )
     assert offered > 4000
-    assert dense[3000] < first_come[3000] / 2
-    assert dense[200] > first_come[200] * 1.5
+    assert dense[dear] < first_come[dear] / 2
+    assert dense[cheap] > first_come[cheap] * 1.5
     assert sum(dense.values()) > sum(first_come.values())
 
 
