@@ -1119,7 +1119,7 @@ class QLMPolicy(QueuePolicy):
         sd = math.sqrt(max(float(var[0]), 1e-9))
         chance = float(ndtr((fits - float(mean[0])) / sd))
         debt = min(-self._credit / floor, 1.0)
-        return chance / price >= bar * debt / self._sure_price
+        return chance / max(price, 1e-12) >= bar * debt / self._sure_price
 
     def _shot_charge_scale(self) -> float:
         """A long shot's charge over its price: 1 moved towards the occupancy scale by the sure
