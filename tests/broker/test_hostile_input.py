@@ -557,18 +557,22 @@ async def test_a_forged_delivery_count_never_makes_a_second_reply(
 # ----------------------------------------------------------------------------- 7. admin token
 
 
-async def test_admin_token_with_a_trailing_space_is_refused() -> None:
-    # the admin server runs on httptools (h11 would strip the trailing whitespace)
+async def test_admin_token_must_match_to_the_byte_inside_the_header_value() -> None:
     token = "s3cret-token-0123456789"
     app = create_admin_app(MemoryBackend(), token=token, metrics=CoordinatorMetrics())
     server = await serve_admin(app, "127.0.0.1", 0)
     try:
         for value, status in [
             (f"Bearer {token}", 200),
-            (f"Bearer {token} ", 401),
-            (f"Bearer {token}\t", 401),
+            # whitespace around a field value is not part of it (RFC 9110 section 5.5): the
+            # HTTP server drops it, so this is the token itself
+            (f"Bearer {token} ", 200),
+            (f"Bearer {token}\t", 200),
             (f"Bearer  {token}", 401),
+            (f"Bearer\t{token}", 401),
+            (f"Bearer {token} x", 401),
             (f"Bearer {token}x", 403),
+            (f"Bearer {token[:-1]}", 403),
         ]:
             reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
             writer.write(
@@ -579,7 +583,7 @@ async def test_admin_token_with_a_trailing_space_is_refused() -> None:
             status_line = (await reader.readline()).decode()
             writer.close()
             assert status_line.split()[1] == str(status), (value, status_line)
-        # and without any HTTP parser in between (ASGI)
+        # a value that does reach the API with whitespace in it (no HTTP parser in between)
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://admin") as http:
             r = await http.get("/v1/instances", headers={"Authorization": f"Bearer {token} "})
