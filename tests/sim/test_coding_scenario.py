@@ -157,12 +157,18 @@ def test_a_small_run_reports_attainment_for_every_task_type(small_summary: dict)
 
 def test_the_target_check_runs_on_the_small_run(small_summary: dict) -> None:
     checks = [c["target"] for c in small_summary["checks"]]
-    assert checks == [
+    assert checks[:4] == [
         "3.33 req/s: qlm code-generation goodput > round_robin",
         "3.33 req/s: qlm GPU utilisation > round_robin",
         "3.33 req/s: qlm code-generation goodput > power_of_two",
         "3.33 req/s: qlm GPU utilisation > power_of_two",
     ]
+    # then issue 17's at every rate run: goodput against every baseline, and the throughput
+    # target against vllm where it ran
+    rates = [str(v) for v in small_summary["sweep"]["variants"]]
+    goodput = [f"{r} req/s: qlm SLO goodput >= every baseline's" for r in rates]
+    assert [c for c in checks[4:] if "goodput" in c] == goodput
+    assert all("throughput >= 1x vllm" in c for c in checks[4:] if "goodput" not in c)
 
 
 # ----------------------------------------------------------------------------- the target
