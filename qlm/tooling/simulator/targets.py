@@ -6,6 +6,7 @@ prints and records misses next to the figures instead of anyone reading them off
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -140,16 +141,23 @@ def _throughput_at(
     return out
 
 
-def check_throughput(summary: Mapping[str, Any], unit: str = "") -> list[Check]:
+def check_throughput(summary: Mapping[str, Any]) -> list[Check]:
     """Issue 17's throughput target at every point of a run with baselines: qlm's throughput
     >= vllm's and >= 0.97x fcfs's. Every run with those columns is held to it, the variants
     of a named scenario (``wb-512``, ``trace-pull1`` ...) too."""
     out: list[Check] = []
     qlm_t = _series(summary, "qlm", "throughput_rps")
     others = baselines(summary.get("policies", {}))
+    unit = _unit(summary)
     for k, label in enumerate(_labels(summary)):
         out += _throughput_at(summary, k, f"{label}{unit}", qlm_t, others)
     return out
+
+
+def _unit(summary: Mapping[str, Any]) -> str:
+    """ " req/s" where the sweep's label names a rate ("arrival rate (req/s)"), else ""."""
+    found = re.search(r"\(([^()]*/s)\)\s*$", str((summary.get("sweep") or {}).get("label") or ""))
+    return f" {found.group(1)}" if found else ""
 
 
 def _overload_by_rate(summary: Mapping[str, Any]) -> list[bool]:
@@ -213,7 +221,8 @@ def check_multi_model(summary: Mapping[str, Any]) -> list[Check]:
         _series(summary, "qlm", "model_swaps"),
         _series(summary, "shepherd", "model_swaps"),
     )
-    for k, label in enumerate(_labels(summary)):
+    labels = [f"{label}{_unit(summary)}" for label in _labels(summary)]
+    for k, label in enumerate(labels):
         if k < len(qlm) and k < len(shepherd):
             out.append(
                 (
@@ -496,7 +505,7 @@ def check_coding(summary: Mapping[str, Any], at_rate: float = 3.33) -> list[Chec
     # issue 17: goodput >= every baseline's at every rate, and the throughput target
     issue = _at_least_every_baseline(
         summary, "goodput_rps", "SLO goodput", " req/s", lambda x: f"{x:.4f} req/s"
-    ) + check_throughput(summary, unit=" req/s")
+    ) + check_throughput(summary)
     if not points:
         return [(f"{at_rate:g} req/s point in the run", f"rates run: {labels}", False)] + issue
     for k in points:
