@@ -1415,7 +1415,8 @@ def bench_glance_cmd(
     ] = None,
 ) -> None:
     """Results at a glance: one row per run of `qlm bench sim` - qlm against the strongest
-    baseline where it fares worst, the hindsight bound, the target, met or missed. With
+    baseline where it fares worst, the hindsight bound, the target, met or missed (by today's
+    checks, qlm/tooling/simulator/targets.py, on the figures each run recorded). With
     --write, also every run's attainment table between its `attainment:RUN` markers and the
     simulator speed table (qlm's wall time against EDF's) between the `speed` markers and
     qlm's distance to the hindsight bound between the `bound` markers."""
