@@ -165,13 +165,7 @@ def _overload_by_rate(summary: Mapping[str, Any]) -> list[bool]:
     the highest throughput FCFS reached at any point (as for trace, where the streams' rates
     say what is offered; here the label does: agentic's streams offer tasks, not calls)."""
     capacity = max(_series(summary, "fcfs", "throughput_rps") or [math.inf])
-    out: list[bool] = []
-    for label in _labels(summary):
-        try:
-            out.append(float(label) >= OVERLOAD * capacity)
-        except ValueError:
-            out.append(False)
-    return out
+    return [_rate_at_least(label, OVERLOAD * capacity) for label in _labels(summary)]
 
 
 def _at_least_every_baseline(
@@ -221,7 +215,8 @@ def check_multi_model(summary: Mapping[str, Any]) -> list[Check]:
         _series(summary, "qlm", "model_swaps"),
         _series(summary, "shepherd", "model_swaps"),
     )
-    labels = [f"{label}{_unit(summary)}" for label in _labels(summary)]
+    unit = _unit(summary)
+    labels = [f"{label}{unit}" for label in _labels(summary)]
     for k, label in enumerate(labels):
         if k < len(qlm) and k < len(shepherd):
             out.append(
@@ -431,11 +426,17 @@ def check_mixed(summary: Mapping[str, Any], overload_from: float = 14.0) -> list
     return out + _against_baselines(summary, overload, unit=" req/s", vllm_margin=None)
 
 
-def _rate_at_least(label: str, rate: float) -> bool:
+def _rate(label: str) -> float | None:
+    """A point's label as the rate it names ("16"), None where it names none ("x2", "40%")."""
     try:
-        return float(label) >= rate
+        return float(label)
     except ValueError:
-        return False
+        return None
+
+
+def _rate_at_least(label: str, rate: float) -> bool:
+    value = _rate(label)
+    return value is not None and value >= rate
 
 
 def _mixed_gain(summary: Mapping[str, Any], overload_from: float) -> list[Check]:
@@ -478,10 +479,8 @@ def _mixed_gain(summary: Mapping[str, Any], overload_from: float) -> list[Check]
 
 
 def _is_rate(label: str, rate: float) -> bool:
-    try:
-        return abs(float(label) - rate) < 1e-6
-    except ValueError:
-        return False
+    value = _rate(label)
+    return value is not None and abs(value - rate) < 1e-6
 
 
 def check_coding(summary: Mapping[str, Any], at_rate: float = 3.33) -> list[Check]:
