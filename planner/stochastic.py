@@ -616,6 +616,8 @@ class QLMPolicy(QueuePolicy):
         # for every arrival; a per-group fit answers the same between completions)
         self._lengths_seen: dict[tuple[str, str | None, int], tuple[float, float, float]] = {}
         self._lengths_at: tuple[OutputLengthModel, int] | None = None  # whose, which version
+        # and the (mean, variance) the odds gate asks of long shots, kept the same way
+        self._moments_seen: dict[tuple[str, str | None, int], tuple[float, float]] = {}
         self._bound_at: dict[str, float] = {}  # model -> when a plan last saw latency-bound work
         self._ttft_at = -math.inf  # when a plan last saw work with a TTFT SLO of seconds
         # instance id -> when the cap the last plan set there lapses unless a plan sees
@@ -1110,14 +1112,9 @@ class QLMPolicy(QueuePolicy):
             rate = self._rates.get((inst.instance_id, model)) or self._rate(inst, model)
             pre = rate.prefill_fixed_s + rate.prefill_s_per_token * request.prompt_tokens
             fits = max(fits, (request.deadline - now - pre) / max(rate.token_s, 1e-12))
-        mean, var = self.estimator.lengths.predict(
-            model,
-            request.slo_class,
-            np.array([max(request.max_tokens, 1)], dtype=np.float64),
-            prompt_tokens=np.array([request.prompt_tokens], dtype=np.float64),
-        )
-        sd = math.sqrt(max(float(var[0]), 1e-9))
-        chance = float(ndtr((fits - float(mean[0])) / sd))
+        mean, var = self._length_moments(request)
+        sd = math.sqrt(max(var, 1e-9))
+        chance = float(ndtr((fits - mean) / sd))
         debt = min(-self._credit / floor, 1.0)
         return chance / max(price, 1e-12) >= bar * debt / self._sure_price
 
@@ -1215,10 +1212,7 @@ class QLMPolicy(QueuePolicy):
         lengths = self.estimator.lengths
         key: tuple[str, str | None, int] | None = None
         if lengths.per_group:  # the same figures until a completion is learnt
-            at = self._lengths_at
-            if at is None or at[0] is not lengths or at[1] != lengths.version:
-                self._lengths_seen.clear()
-                self._lengths_at = (lengths, lengths.version)
+            self._lengths_current(lengths)
             key = (r.model, r.slo_class, r.max_tokens)
             seen = self._lengths_seen.get(key)
             if seen is not None:
@@ -1243,6 +1237,38 @@ class QLMPolicy(QueuePolicy):
             if len(self._lengths_seen) >= LENGTHS_SEEN_MAX:
                 self._lengths_seen.clear()
             self._lengths_seen[key] = out
+        return out
+
+    def _lengths_current(self, lengths: OutputLengthModel) -> None:
+        """Forget the kept per-group answers once the length model learnt a completion."""
+        at = self._lengths_at
+        if at is None or at[0] is not lengths or at[1] != lengths.version:
+            self._lengths_seen.clear()
+            self._moments_seen.clear()
+            self._lengths_at = (lengths, lengths.version)
+
+    def _length_moments(self, r: PlanRequest) -> tuple[float, float]:
+        """(mean, variance) of one request's output tokens: the length model's prediction,
+        kept per (model, class, max_tokens) between completions where the fit is per group."""
+        lengths = self.estimator.lengths
+        key: tuple[str, str | None, int] | None = None
+        if lengths.per_group:
+            self._lengths_current(lengths)
+            key = (r.model, r.slo_class, r.max_tokens)
+            seen = self._moments_seen.get(key)
+            if seen is not None:
+                return seen
+        mean, var = lengths.predict(
+            r.model,
+            r.slo_class,
+            np.array([max(r.max_tokens, 1)], dtype=np.float64),
+            prompt_tokens=np.array([r.prompt_tokens], dtype=np.float64),
+        )
+        out = (float(mean[0]), float(var[0]))
+        if key is not None:
+            if len(self._moments_seen) >= LENGTHS_SEEN_MAX:
+                self._moments_seen.clear()
+            self._moments_seen[key] = out
         return out
 
     def _rate(self, inst: PlanInstance, model: str) -> _Rate:

@@ -247,6 +247,25 @@ def test_place_keeps_an_arrivals_lengths_only_until_a_completion_is_learnt() -> 
     assert learnt == (float(mean[0]), bound, min(shot, bound))
 
 
+def test_the_odds_gates_moments_are_kept_only_until_a_completion_is_learnt() -> None:
+    pol = QLMPolicy()
+    r = PlanRequest("r", "m", 100, 1024, 0.0, 30.0, None, slo_class="c")
+    lengths = pol.estimator.lengths
+    cap = np.array([1024.0])
+    for out in (200, 300, 400) * 20:
+        lengths.observe("m", "c", out)
+    first = pol._length_moments(r)
+    mean, var = lengths.predict("m", "c", cap, prompt_tokens=np.array([100.0]))
+    assert first == (float(mean[0]), float(var[0]))  # the prediction, to the bit
+    assert pol._length_moments(r) is first  # kept
+    pol._lengths_of(r)  # the other answers kept per group do not clear it
+    assert pol._length_moments(r) is first
+    lengths.observe("m", "c", 1000)
+    learnt = pol._length_moments(r)
+    mean, var = lengths.predict("m", "c", cap, prompt_tokens=np.array([100.0]))
+    assert learnt == (float(mean[0]), float(var[0])) and learnt[0] > first[0]
+
+
 def test_a_model_that_prices_each_request_is_asked_each_time() -> None:
     from qlm.length_forest import ForestLengthModel
 
