@@ -1457,6 +1457,13 @@ def bench_planner(
         bool, typer.Option(help="fresh process per case and policy (honest peak RSS)")
     ] = True,
     json_out: Annotated[Path | None, typer.Option("--json")] = None,
+    live: Annotated[
+        bool,
+        typer.Option(
+            help="replan as the live coordinator does: the backlog admitted into a "
+            "coordinator core, each replan its inputs taken, the plan, and the queues adopting it"
+        ),
+    ] = False,
 ) -> None:
     """Replan latency p50/p95, predicted SLO attainment and peak RSS of each policy."""
     from qlm.tooling.bench_planner import run_bench
@@ -1472,6 +1479,7 @@ def bench_planner(
             json_path=json_out,
             isolate=isolate,
             echo=typer.echo,
+            live=live,
         )
     except ValueError as e:
         raise typer.BadParameter(str(e)) from e

@@ -1651,19 +1651,35 @@ class CoordinatorCore:
             if tracked is not None and tracked.state == TrackState.QUEUED:
                 waiting[rid] = tracked
         self.unassigned = []
+        # a loop over every queued request (100k at the largest backlogs measured, where it
+        # took a tenth of the live replan): lookups bound once, the context checked only on
+        # an engine that reports one (_fits is true for every request elsewhere)
+        sort_key, work_tokens, fits, find = (
+            self.policy.sort_key,
+            self.policy.work_tokens,
+            self._fits,
+            waiting.get,
+        )
         for iid, ids in plan.queues.items():
             target = self.instances.get(iid)
             if target is None or target.status != "alive":
                 continue
-            entries = []
+            check = bool(target.info.max_model_len)
+            entries: list[tuple[str, tuple[Any, ...]]] = []
+            add = entries.append
+            tokens = target.queued_tokens  # 0.0: summed in the same order as before
             for rid in ids:
-                tracked = waiting.get(rid)
-                if tracked is None or not self._fits(target, tracked.plan_view):
+                tracked = find(rid)
+                if tracked is None:
+                    continue
+                view = tracked.plan_view
+                if check and not fits(target, view):
                     continue  # one beyond this engine's context is placed again, below
                 del waiting[rid]
                 tracked.instance_id = iid
-                entries.append((rid, self.policy.sort_key(tracked.plan_view)))
-                target.queued_tokens += self.policy.work_tokens(tracked.plan_view)
+                add((rid, sort_key(view)))
+                tokens += work_tokens(view)
+            target.queued_tokens = tokens
             target.queue.replace(entries)
         for rid in plan.unassigned:
             tracked = waiting.pop(rid, None)

@@ -25,6 +25,10 @@ instance count):
 
 **Measures.** Replan latency is the wall time of ``policy.plan`` (p50/p95 over the repeats,
 the first call included: it pays any lazy imports, as a coordinator's first replan would).
+With ``--live`` it is the live coordinator's replan instead: the backlog is admitted into a
+:class:`~qlm.coordinator.core.CoordinatorCore` (each request placed on arrival by the
+policy), and a replan is its inputs taken (``begin_plan``), the policy's plan and the virtual
+queues adopting it (``adopt_plan``), each phase's seconds in the JSON (``live_phases_s``).
 Predicted SLO attainment is :func:`qlm.planner.evaluate.predicted_attainment` of the last plan,
 the same evaluator for every policy. Peak RSS: every (case, policy) runs in a fresh
 ``spawn``-ed process, which reports its own ``ru_maxrss`` (peak resident set of the whole
@@ -51,10 +55,13 @@ from typing import Any
 import structlog
 
 from qlm.catalog import MODELS
+from qlm.control import Heartbeat, InstanceInfo, InstanceStatus
+from qlm.coordinator.core import CoordinatorCore
 from qlm.planner import POLICIES, create_policy
 from qlm.planner.evaluate import predicted_attainment, profile_for, service_rates
-from qlm.policy import PlanInstance, PlanRequest
+from qlm.policy import PlanInstance, PlanRequest, QueuePolicy
 from qlm.trace import load_azure_trace, load_request_lengths
+from qlm.types import SLO, RequestMessage
 
 log = structlog.get_logger(__name__)
 
@@ -192,25 +199,101 @@ def _percentile(values: Sequence[float], q: float) -> float:
     return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
 
 
+def live_core(
+    reqs: Sequence[PlanRequest], insts: Sequence[PlanInstance], policy: QueuePolicy
+) -> CoordinatorCore:
+    """A coordinator core holding the case's backlog as the live coordinator would: its
+    instances registered by one heartbeat, each request admitted as a message (a text prompt
+    of 4 bytes a token, which the core counts back to its length; its SLO in whole ms) and
+    placed by ``policy`` on arrival. Nothing is dispatched: every request stays queued."""
+    core = CoordinatorCore(policy, heartbeat_timeout_s=3600.0, clock=lambda: NOW)
+    core.on_heartbeat(
+        Heartbeat(
+            agent_id="bench",
+            sent_at=NOW,
+            instances=[
+                InstanceStatus(
+                    info=InstanceInfo(
+                        instance_id=i.instance_id,
+                        agent_id="bench",
+                        engine="sim",
+                        gpu_type=i.gpu_type,
+                        gpu_memory_gb=80,
+                        models=list(i.models),
+                        kv_capacity_tokens=i.kv_capacity_tokens,
+                        max_batch_size=i.max_batch_size,
+                    ),
+                    active_model=i.active_model,
+                )
+                for i in insts
+            ],
+        ),
+        now=NOW,
+    )
+    texts: dict[int, str] = {}  # one string per prompt length: the backlog's memory is not
+    # what is measured
+    for r in reqs:
+        assert r.deadline is not None
+        text = texts.get(r.prompt_tokens)
+        if text is None:
+            text = texts[r.prompt_tokens] = "x" * (4 * r.prompt_tokens)
+        msg = RequestMessage(
+            request_id=r.request_id,
+            model=r.model,
+            prompt=text,
+            max_tokens=r.max_tokens,
+            slo=SLO(
+                e2e_ms=max(1, round((r.deadline - r.arrival_time) * 1000)), slo_class=r.slo_class
+            ),
+            submitted_at=r.arrival_time,
+        )
+        core.admit(
+            msg, None, reply_to="bench", correlation_id=r.request_id, received_at=r.arrival_time
+        )
+    return core
+
+
 def run_policy_case(
-    queued: int, instances: int, slo: str, policy: str, repeats: int, seed: int = 0
+    queued: int,
+    instances: int,
+    slo: str,
+    policy: str,
+    repeats: int,
+    seed: int = 0,
+    live: bool = False,
 ) -> dict[str, Any]:
     """One (case, policy): build the queue, replan ``repeats`` times, evaluate the last plan.
-    Meant to run in a fresh process (see :func:`run_cases`) so its peak RSS is its own."""
+    ``live``: the backlog sits in a coordinator core (:func:`live_core`) and a replan is what
+    the live coordinator does: the inputs taken (``begin_plan``), the policy's plan, and the
+    virtual queues taking it (``adopt_plan``). Meant to run in a fresh process (see
+    :func:`run_cases`) so its peak RSS is its own."""
     reqs = build_queue(queued, instances, slo, seed)
     insts = build_instances(instances)
     pol = create_policy(policy)
+    core = live_core(reqs, insts, pol) if live else None
     base_rss = _rss_now_mb()
     times = []
+    phases: list[tuple[float, float, float]] = []
     plan = None
     for _ in range(max(repeats, 1)):
         t0 = time.perf_counter()
-        plan = pol.plan(reqs, insts, NOW)
-        times.append(time.perf_counter() - t0)
+        if core is None:
+            plan = pol.plan(reqs, insts, NOW)
+            times.append(time.perf_counter() - t0)
+            continue
+        inputs = core.begin_plan()
+        t1 = time.perf_counter()
+        plan = pol.plan(*inputs, NOW)
+        t2 = time.perf_counter()
+        core.adopt_plan(plan, NOW)
+        t3 = time.perf_counter()
+        times.append(t3 - t0)
+        phases.append((t1 - t0, t2 - t1, t3 - t2))
+        reqs, insts = inputs  # what the last plan was made of
     assert plan is not None
     attainment = predicted_attainment(plan, reqs, insts, NOW)
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
-    return {
+    out = {
         "policy": policy,
         "replan_s": times,
         "replan_s_p50": statistics.median(times),
@@ -221,9 +304,15 @@ def run_policy_case(
         "unassigned": len(plan.unassigned),
         "plan_meta": {k: v for k, v in plan.meta.items() if isinstance(v, int | float | str)},
     }
+    if core is not None:
+        out["live_phases_s"] = [
+            {"begin_plan": round(b, 4), "plan": round(p, 4), "adopt_plan": round(a, 4)}
+            for b, p, a in phases
+        ]
+    return out
 
 
-def _spawned(args: tuple[int, int, str, str, int, int]) -> dict[str, Any]:
+def _spawned(args: tuple[int, int, str, str, int, int, bool]) -> dict[str, Any]:
     return run_policy_case(*args)
 
 
@@ -235,6 +324,7 @@ def run_cases(
     seed: int = 0,
     isolate: bool = True,
     on_result: Any = None,
+    live: bool = False,
 ) -> dict[str, Any]:
     """Run every case with every policy; returns the JSON document ``--json`` writes."""
     ctx = multiprocessing.get_context("spawn")
@@ -246,7 +336,7 @@ def run_cases(
             p: {"policy": p, "skipped": "policy not registered"} for p in missing
         }
         for name in registered:
-            args = (queued, n_inst, slo, name, repeats, seed)
+            args = (queued, n_inst, slo, name, repeats, seed, live)
             if isolate:
                 # One fresh process per (case, policy): its ru_maxrss is this run's peak alone.
                 with ProcessPoolExecutor(max_workers=1, mp_context=ctx) as pool:
@@ -274,6 +364,7 @@ def run_cases(
         )
     return {
         "benchmark": "planner",
+        "live": live,
         "repeats": repeats,
         "seed": seed,
         "rss": "ru_maxrss of a fresh spawned process per (case, policy)"
@@ -332,6 +423,7 @@ def run_bench(
     json_path: Path | None = None,
     isolate: bool = True,
     echo: Any = print,
+    live: bool = False,
 ) -> dict[str, Any]:
     """What ``qlm bench planner`` runs: prints a table row per (case, policy) as it goes."""
     cases = select_cases(queued, instances, slo)
@@ -343,6 +435,7 @@ def run_bench(
         seed=seed,
         isolate=isolate,
         on_result=lambda q, m, s, r: echo(format_row(q, m, s, r)),
+        live=live,
     )
     for case in doc["cases"]:
         for r in case["policies"].values():

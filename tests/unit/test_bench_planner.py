@@ -9,11 +9,14 @@ import pytest
 from typer.testing import CliRunner
 
 from qlm.cli import app
-from qlm.planner import POLICIES
+from qlm.planner import POLICIES, create_policy
 from qlm.tooling.bench_planner import (
+    NOW,
     build_instances,
     build_queue,
+    live_core,
     run_cases,
+    run_policy_case,
     select_cases,
     service_estimate_s,
 )
@@ -104,3 +107,38 @@ def test_tight_slos_are_harder_than_loose_ones() -> None:
     doc = run_cases([(1000, 8, "tight"), (1000, 8, "loose")], ["edf"], repeats=1, isolate=False)
     tight, loose = (c["edf_predicted_slo_attainment"] for c in doc["cases"])
     assert tight < loose
+
+
+def test_live_core_holds_the_backlog_as_the_coordinator_would() -> None:
+    reqs = build_queue(300, 4, "tight")
+    insts = build_instances(4)
+    core = live_core(reqs, insts, create_policy("edf"))
+    views, live = core.begin_plan()
+    core.abort_plan(NOW)
+    assert [i.instance_id for i in live] == [i.instance_id for i in insts]
+    assert [(i.models, i.gpu_type, i.active_model) for i in live] == [
+        (i.models, i.gpu_type, i.active_model) for i in insts
+    ]
+    by_id = {r.request_id: r for r in views}
+    assert set(by_id) == {r.request_id for r in reqs}  # every request queued, none dispatched
+    for r in reqs:
+        v = by_id[r.request_id]
+        assert (v.model, v.prompt_tokens, v.max_tokens, v.slo_class) == (
+            r.model,
+            r.prompt_tokens,
+            r.max_tokens,
+            r.slo_class,
+        )
+        assert v.arrival_time == r.arrival_time
+        assert v.deadline is not None and r.deadline is not None
+        assert abs(v.deadline - r.deadline) <= 0.0005 + 1e-6  # its SLO in whole ms
+
+
+def test_live_replans_time_the_coordinators_three_phases() -> None:
+    r = run_policy_case(300, 4, "tight", "qlm", 2, live=True)
+    assert len(r["replan_s"]) == len(r["live_phases_s"]) == 2
+    for total, phases in zip(r["replan_s"], r["live_phases_s"], strict=True):
+        assert set(phases) == {"begin_plan", "plan", "adopt_plan"}
+        assert sum(phases.values()) == pytest.approx(total, abs=1e-3)
+    assert r["unassigned"] == 0 and 0.0 < r["predicted_slo_attainment"] <= 1.0
+    assert "live_phases_s" not in run_policy_case(300, 4, "tight", "edf", 1)
