@@ -11,16 +11,16 @@ from hypothesis import strategies as st
 
 from qlm.planner import create_policy
 from qlm.planner.baselines import EDFPolicy, FCFSPolicy
-from qlm.policy import PlanInstance, PlanRequest
+from qlm.policy import PlanInstance, PlanRequest, QueuePolicy
 from tests.builders import make_plan_request
 
 MODELS = ("mistral-7b", "vicuna-13b", "unknown-model")
 GPUS = ("A100-80GB", "H100-80GB", "A10G")
 
 
-class _ScanningEDF(EDFPolicy):
-    """EDF with ``choose_instance`` overridden (to itself): plan() takes the scan over every
-    instance, the rule as written."""
+class _Scans(QueuePolicy):
+    """``choose_instance`` overridden (to itself): plan() takes the scan over every instance,
+    the rule as written."""
 
     def choose_instance(
         self,
@@ -31,14 +31,12 @@ class _ScanningEDF(EDFPolicy):
         return super().choose_instance(request, instances, load)
 
 
-class _ScanningFCFS(FCFSPolicy):
-    def choose_instance(
-        self,
-        request: PlanRequest,
-        instances: Sequence[PlanInstance],
-        load: Mapping[str, float],
-    ) -> PlanInstance | None:
-        return super().choose_instance(request, instances, load)
+class _ScanningEDF(_Scans, EDFPolicy):
+    pass
+
+
+class _ScanningFCFS(_Scans, FCFSPolicy):
+    pass
 
 
 instances_st = st.lists(
